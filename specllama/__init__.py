@@ -1,0 +1,31 @@
+"""specllama: lossless speculative decoding for GGUF models on llama.cpp.
+
+    import specllama
+    with specllama.load("target.gguf", draft="draft.gguf") as llm:
+        print(llm.generate("def fib(n):", max_tokens=64).text)
+"""
+
+from .engine import Chunk, Result, SpecLlama, Stream, load
+from .errors import (
+    BusyError,
+    ContextFullError,
+    DecodeError,
+    EmptyPromptError,
+    IncompatibleDraftError,
+    InvalidModelFileError,
+    InvalidParameterError,
+    ModelNotFoundError,
+    PromptTooLongError,
+    SpecLlamaError,
+)
+from .sampling import SamplingSettings
+from .stats import Stats
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "BusyError", "Chunk", "ContextFullError", "DecodeError", "EmptyPromptError",
+    "IncompatibleDraftError", "InvalidModelFileError", "InvalidParameterError",
+    "ModelNotFoundError", "PromptTooLongError", "Result", "SamplingSettings", "SpecLlama",
+    "SpecLlamaError", "Stats", "Stream", "load",
+]

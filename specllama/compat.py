@@ -1,0 +1,53 @@
+"""Draft/target compatibility, with llama.cpp's rules (common/speculative.cpp).
+
+A draft is only useful if token id i means the same text in both vocabularies: otherwise the
+target verifies tokens the draft never meant.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from .errors import IncompatibleDraftError
+
+MAX_VOCAB_SIZE_DIFFERENCE = 128
+CHECK_START_TOKEN_ID = 5  # ids below this are special tokens that may legitimately differ
+
+
+@dataclass(frozen=True)
+class VocabInfo:
+    """What the check needs to know about one model's vocabulary."""
+
+    name: str
+    vocab_type: int
+    n_vocab: int
+    bos: int
+    eos: int
+    add_bos: bool
+    add_eos: bool
+    token_text: Callable[[int], bytes]
+
+
+def check_compatible(target: VocabInfo, draft: VocabInfo) -> None:
+    """Raise IncompatibleDraftError naming the first difference between the vocabularies."""
+
+    def fail(what: str) -> None:
+        raise IncompatibleDraftError(
+            f"draft {draft.name} cannot be used with target {target.name}: {what}; "
+            "pick a draft from the same model family (same tokenizer)"
+        )
+
+    for attr, label in (("vocab_type", "vocabulary type"), ("add_bos", "add-BOS flag"),
+                        ("add_eos", "add-EOS flag"), ("bos", "BOS token"), ("eos", "EOS token")):
+        t, d = getattr(target, attr), getattr(draft, attr)
+        if t != d:
+            fail(f"{label} differs (target {t}, draft {d})")
+    if abs(target.n_vocab - draft.n_vocab) > MAX_VOCAB_SIZE_DIFFERENCE:
+        fail(f"vocabulary sizes differ by more than {MAX_VOCAB_SIZE_DIFFERENCE} "
+             f"(target {target.n_vocab}, draft {draft.n_vocab})")
+    for token in range(CHECK_START_TOKEN_ID, min(target.n_vocab, draft.n_vocab)):
+        t, d = target.token_text(token), draft.token_text(token)
+        if t != d:
+            fail(f"token {token} is {t.decode('utf-8', 'replace')!r} in the target "
+                 f"but {d.decode('utf-8', 'replace')!r} in the draft")

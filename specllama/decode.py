@@ -1,0 +1,88 @@
+"""The speculative decoding loop: propose -> verify in one target pass -> accept -> roll back.
+
+It yields one Step per target pass and never looks at text: stopping rules live in the caller,
+which simply stops iterating. Plain decoding is the same loop with no proposer.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Optional
+
+import numpy as np
+
+from .proposers import EMPTY, Proposal, Proposer
+from .runtime import Runtime
+from .sampling import SamplingSettings, distribution, greedy
+from .stats import Stats
+from .verify import greedy_verify, speculative_verify
+
+
+@dataclass(frozen=True)
+class Step:
+    """Tokens accepted by one target pass; the first n_from_draft of them were drafted."""
+
+    tokens: list[int]
+    n_from_draft: int
+
+
+def generate_steps(
+    target: Runtime,
+    proposer: Optional[Proposer],
+    sampling: SamplingSettings,
+    rng: np.random.Generator,
+    prompt: Sequence[int],
+    n_draft: int,
+    stats: Stats,
+) -> Iterator[Step]:
+    """Yield the accepted tokens round by round, forever or until the context is full.
+
+    The target's KV cache always holds tokens[:-1]: the newest token is fed as the first
+    row of the next verify batch.
+    """
+    tokens = list(prompt)
+    t_start = time.perf_counter()
+    target.sync(tokens)
+    if proposer is not None and n_draft > 0:
+        proposer.prefill(tokens)
+    n_accepted, next_token = _verify(target, EMPTY, sampling, rng)
+    stats.t_prefill = time.perf_counter() - t_start
+    tokens.append(next_token)
+    yield Step([next_token], 0)
+    try:
+        while len(tokens) <= target.n_ctx:
+            # 1. propose up to n_draft tokens, as many as the context has room to verify
+            n_room = target.n_ctx - len(tokens)
+            t0 = time.perf_counter()
+            proposal = EMPTY
+            if proposer is not None and min(n_draft, n_room) > 0:
+                proposal = proposer.propose(tokens, min(n_draft, n_room), sampling, rng)
+            t1 = time.perf_counter()
+            # 2. verify: one target pass over [newest token, x_1..x_k], logits for all k+1 rows
+            n_past = len(tokens) - 1
+            target.decode([tokens[-1], *proposal.tokens], n_logits=len(proposal.tokens) + 1)
+            t2 = time.perf_counter()
+            # 3. accept the agreeing prefix plus one target token
+            n_accepted, next_token = _verify(target, proposal, sampling, rng)
+            # 4. roll the target back to what was accepted
+            target.truncate(n_past + 1 + n_accepted)
+            new = [*proposal.tokens[:n_accepted], next_token]
+            tokens.extend(new)
+            stats.t_draft += t1 - t0
+            stats.t_verify += t2 - t1
+            stats.record_round(len(proposal.tokens), n_accepted)
+            yield Step(new, n_accepted)
+    finally:
+        # interrupted between verify and rollback: drop the unverified rows
+        target.truncate(len(tokens) - 1)
+
+
+def _verify(target: Runtime, proposal: Proposal, sampling: SamplingSettings,
+            rng: np.random.Generator) -> tuple[int, int]:
+    rows = (target.logits(i) for i in range(len(proposal.tokens) + 1))
+    if sampling.greedy:
+        return greedy_verify(proposal.tokens, (greedy(row) for row in rows))
+    q = proposal.q if proposal.q is not None else [None] * len(proposal.tokens)
+    return speculative_verify(proposal.tokens, q, (distribution(row, sampling) for row in rows), rng)

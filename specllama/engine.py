@@ -1,0 +1,294 @@
+"""SpecLlama: the public object that owns a target and an optional draft and generates text."""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field, fields
+from typing import Any, Optional, Union
+
+import numpy as np
+
+from .compat import VocabInfo, check_compatible
+from .decode import generate_steps
+from .errors import BusyError, EmptyPromptError, InvalidParameterError, PromptTooLongError
+from .proposers import DraftModelProposer
+from .runtime import ModelSettings, Runtime, open_runtime
+from .sampling import SamplingSettings
+from .stats import Stats
+from .text import Detokenizer, StopMatcher
+
+Prompt = Union[str, Sequence[int]]
+MAX_N_DRAFT = 64
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """Part of a streamed generation: the text that became final and the tokens behind it."""
+
+    text: str
+    tokens: list[int]
+    from_draft: list[bool]
+
+
+@dataclass
+class Result:
+    """A finished generation. finish_reason: "stop" (EOG or stop string), "length", "cancelled"."""
+
+    text: str
+    tokens: list[int]
+    finish_reason: str
+    stats: Stats = field(default_factory=Stats)
+
+
+class Stream:
+    """Iterator of Chunks; `result` holds the text, finish_reason and stats once it has ended."""
+
+    def __init__(self, chunks: Iterator[Chunk]):
+        self._chunks = chunks
+        self.result: Optional[Result] = None
+
+    def __iter__(self) -> "Stream":
+        return self
+
+    def __next__(self) -> Chunk:
+        return next(self._chunks)
+
+    def close(self) -> None:
+        """Stop early; the models stay consistent and `result` says "cancelled"."""
+        self._chunks.close()
+
+    def __enter__(self) -> "Stream":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+@dataclass(frozen=True)
+class _Request:
+    prompt: list[int]
+    sampling: SamplingSettings
+    max_tokens: int
+    seed: Optional[int]
+    stop: tuple[str, ...]
+    n_draft: int
+
+
+class SpecLlama:
+    """A target model, optionally with a draft model that speculates for it.
+
+    Greedy output is token-for-token the target's own; sampled output has the target's
+    distribution. Build it with specllama.load().
+    """
+
+    def __init__(self, target: Runtime, draft: Optional[Runtime] = None, *, n_draft: int = 4):
+        self.target = target
+        self.draft = draft
+        self.n_draft = _check_n_draft(n_draft)
+        self._lock = threading.Lock()
+        if draft is not None:
+            check_compatible(_vocab_info(target), _vocab_info(draft))
+
+    # --- public API --------------------------------------------------------------------------
+
+    def generate(self, prompt: Prompt, **options: Any) -> Result:
+        """Generate a completion of prompt (text or token ids).
+
+        Args:
+            prompt: text (special tokens like <|im_start|> are parsed) or a list of token ids.
+            max_tokens: most tokens to generate (default 256).
+            temperature, top_k, top_p, min_p: sampling settings; temperature 0 is greedy.
+            seed: seed of the numpy Generator used for sampling (same seed, same output).
+            stop: a string or strings that end generation; they are not included in the text.
+            n_draft: tokens drafted per round (default: the value given to load; 0 = no drafting).
+        Returns:
+            Result with text, tokens, finish_reason and stats.
+        """
+        stream = self.stream(prompt, **options)
+        for _ in stream:
+            pass
+        assert stream.result is not None
+        return stream.result
+
+    def stream(self, prompt: Prompt, **options: Any) -> Stream:
+        """Like generate(), but returns a Stream of Chunks as tokens are accepted.
+
+        Parameters are checked now, so bad input raises here rather than mid-iteration.
+        """
+        request = self._request(self._prompt_tokens(prompt), **options)
+        stream = Stream(iter(()))
+        stream._chunks = self._run(request, stream)
+        return stream
+
+    def chat(self, messages: list[dict], **options: Any) -> Result:
+        """generate() on messages rendered with the chat template stored in the target GGUF."""
+        return self.generate(self.chat_tokens(messages), **options)
+
+    def chat_stream(self, messages: list[dict], **options: Any) -> Stream:
+        """stream() on messages rendered with the target's chat template."""
+        return self.stream(self.chat_tokens(messages), **options)
+
+    def chat_tokens(self, messages: list[dict]) -> list[int]:
+        """Token ids of messages rendered with the target's chat template, ready to generate."""
+        if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
+            raise InvalidParameterError("messages", messages, "a list of {'role': ..., 'content': ...} dicts")
+        text = self.target.apply_chat_template(messages)
+        bos_text = self.target.token_text(self.target.bos).decode("utf-8", "replace")
+        add_bos = not (bos_text and text.startswith(bos_text))
+        return self.target.tokenize(text, add_special=add_bos, parse_special=True)
+
+    def tokenize(self, text: str) -> list[int]:
+        return self.target.tokenize(text, add_special=True, parse_special=True)
+
+    def detokenize(self, tokens: Sequence[int]) -> str:
+        return b"".join(self.target.piece(t) for t in tokens).decode("utf-8", errors="replace")
+
+    def close(self) -> None:
+        """Free both models (a borrowed llama_cpp.Llama stays with its owner)."""
+        for runtime in (self.draft, self.target):
+            if runtime is not None:
+                runtime.close()
+
+    def __enter__(self) -> "SpecLlama":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # --- internals ---------------------------------------------------------------------------
+
+    def _prompt_tokens(self, prompt: Prompt) -> list[int]:
+        if isinstance(prompt, str):
+            tokens = self.tokenize(prompt) if prompt else []
+        elif isinstance(prompt, Sequence) and not isinstance(prompt, (bytes, bytearray)):
+            tokens = list(prompt)
+            bad = [t for t in tokens if isinstance(t, bool) or not isinstance(t, (int, np.integer))
+                   or not 0 <= t < self.target.n_vocab]
+            if bad:
+                raise InvalidParameterError("prompt", bad[0], f"text, or token ids in 0..{self.target.n_vocab - 1}")
+            tokens = [int(t) for t in tokens]
+        else:
+            raise InvalidParameterError("prompt", prompt, "a string or a list of token ids")
+        if not tokens:
+            raise EmptyPromptError("the prompt is empty: give some text or at least one token id")
+        if len(tokens) > self.target.n_ctx:
+            raise PromptTooLongError(
+                f"the prompt has {len(tokens)} tokens but the context holds {self.target.n_ctx}; "
+                "shorten the prompt or load with a larger n_ctx"
+            )
+        return tokens
+
+    def _request(self, prompt: list[int], *, max_tokens: int = 256, temperature: float = 0.0,
+                 top_k: int = 40, top_p: float = 0.95, min_p: float = 0.05, seed: Optional[int] = None,
+                 stop: Union[None, str, Sequence[str]] = None, n_draft: Optional[int] = None) -> _Request:
+        if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
+            raise InvalidParameterError("max_tokens", max_tokens, "an integer >= 1")
+        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or seed < 0):
+            raise InvalidParameterError("seed", seed, "an integer >= 0, or None for a random seed")
+        stops = (stop,) if isinstance(stop, str) else tuple(stop or ())
+        if not all(isinstance(s, str) and s for s in stops):
+            raise InvalidParameterError("stop", stop, "a non-empty string or a list of non-empty strings")
+        sampling = SamplingSettings(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p)
+        n_draft = self.n_draft if n_draft is None else _check_n_draft(n_draft)
+        return _Request(prompt, sampling, max_tokens, seed, stops, n_draft)
+
+    @contextmanager
+    def _exclusive(self) -> Iterator[None]:
+        if not self._lock.acquire(blocking=False):
+            raise BusyError("this SpecLlama is already generating (another thread, or a stream that "
+                            "is still open); finish or close() that stream first")
+        try:
+            yield
+        finally:
+            self._lock.release()
+
+    def _run(self, req: _Request, stream: Stream) -> Iterator[Chunk]:
+        stats = Stats(n_prompt=len(req.prompt))
+        tokens: list[int] = []
+        texts: list[str] = []
+        finish = "cancelled"
+        t_start = time.perf_counter()
+        with self._exclusive():
+            proposer = DraftModelProposer(self.draft) if self.draft is not None else None
+            steps = generate_steps(self.target, proposer, req.sampling, np.random.default_rng(req.seed),
+                                   req.prompt, req.n_draft, stats)
+            detokenizer, matcher = Detokenizer(), StopMatcher(req.stop)
+            try:
+                finish = "length"  # running out of context also ends here
+                for step in steps:
+                    for i, token in enumerate(step.tokens):
+                        if self.target.is_eog(token):
+                            finish = "stop"
+                            break
+                        tokens.append(token)
+                        text = matcher.feed(detokenizer.feed(self.target.piece(token)))
+                        texts.append(text)
+                        yield Chunk(text, [token], [i < step.n_from_draft])
+                        if matcher.stopped or len(tokens) == req.max_tokens:
+                            finish = "stop" if matcher.stopped else "length"
+                            break
+                    else:
+                        continue
+                    break
+                tail = matcher.feed(detokenizer.flush()) + matcher.flush()
+                if tail:
+                    texts.append(tail)
+                    yield Chunk(tail, [], [])
+            except GeneratorExit:
+                finish = "cancelled"
+                raise
+            finally:
+                steps.close()
+                stats.n_generated = len(tokens)
+                stats.t_total = time.perf_counter() - t_start
+                stream.result = Result("".join(texts), tokens, finish, stats)
+
+
+def _check_n_draft(n_draft: Any) -> int:
+    if isinstance(n_draft, bool) or not isinstance(n_draft, int) or not 0 <= n_draft <= MAX_N_DRAFT:
+        raise InvalidParameterError("n_draft", n_draft, f"an integer in 0..{MAX_N_DRAFT} (0 = no drafting)")
+    return n_draft
+
+
+def _vocab_info(runtime: Runtime) -> VocabInfo:
+    return VocabInfo(runtime.name, runtime.vocab_type, runtime.n_vocab, runtime.bos, runtime.eos,
+                     runtime.add_bos, runtime.add_eos, runtime.token_text)
+
+
+_SETTING_NAMES = {f.name for f in fields(ModelSettings)}
+
+
+def load(target: Any, draft: Any = None, *, n_draft: int = 4, **model_settings: Any) -> SpecLlama:
+    """Load a target model and an optional draft of the same family.
+
+    Args:
+        target: path of a GGUF file, or a llama_cpp.Llama you built (its settings are kept).
+        draft: the same kinds, or None for plain decoding.
+        n_draft: tokens drafted per round (0..64).
+        **model_settings: llama.cpp settings for both models: n_ctx, n_batch, n_threads,
+            n_threads_batch, n_gpu_layers, flash_attn, type_k, type_v, use_mmap, verbose.
+            Prefix one with draft_ to set it for the draft alone (e.g. draft_n_gpu_layers=0).
+    Returns:
+        A SpecLlama; close() it or use it in a with-block.
+    """
+    target_kw = {k: v for k, v in model_settings.items() if not k.startswith("draft_")}
+    draft_kw = {**target_kw, **{k[6:]: v for k, v in model_settings.items() if k.startswith("draft_")}}
+    for key in set(target_kw) | set(draft_kw):
+        if key not in _SETTING_NAMES:
+            raise TypeError(f"load() got an unknown setting {key!r}; known: {', '.join(sorted(_SETTING_NAMES))}")
+    _check_n_draft(n_draft)
+    target_rt = open_runtime(target, ModelSettings(**target_kw))
+    draft_rt = None
+    try:
+        if draft is not None:
+            draft_rt = open_runtime(draft, ModelSettings(**draft_kw))
+        return SpecLlama(target_rt, draft_rt, n_draft=n_draft)
+    except BaseException:
+        if draft_rt is not None:
+            draft_rt.close()
+        target_rt.close()
+        raise

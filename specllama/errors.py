@@ -1,0 +1,47 @@
+"""Typed errors. Library code raises these; the CLI formats them as one line."""
+
+from __future__ import annotations
+
+
+class SpecLlamaError(Exception):
+    """Base class of every error specllama raises on purpose."""
+
+
+class InvalidParameterError(SpecLlamaError, ValueError):
+    """A public parameter is outside its allowed range."""
+
+    def __init__(self, name: str, value: object, allowed: str):
+        self.name, self.value, self.allowed = name, value, allowed
+        super().__init__(f"{name}={value!r} is invalid: {name} must be {allowed}")
+
+
+class EmptyPromptError(SpecLlamaError, ValueError):
+    """The prompt has no tokens to condition on."""
+
+
+class ModelNotFoundError(SpecLlamaError, FileNotFoundError):
+    """A model path does not exist."""
+
+
+class InvalidModelFileError(SpecLlamaError):
+    """A file exists but is not a loadable GGUF model (wrong magic, truncated, corrupt)."""
+
+
+class IncompatibleDraftError(SpecLlamaError):
+    """The draft model's vocabulary differs from the target's, so its tokens mean something else."""
+
+
+class ContextFullError(SpecLlamaError):
+    """The KV cache has no room for the tokens being decoded."""
+
+
+class PromptTooLongError(ContextFullError, ValueError):
+    """The prompt alone does not fit in the context window."""
+
+
+class DecodeError(SpecLlamaError):
+    """llama_decode failed for a reason other than a full context."""
+
+
+class BusyError(SpecLlamaError):
+    """A second generation was started while one is still running on the same object."""

@@ -1,0 +1,392 @@
+"""The only module that touches llama_cpp: handles, decode, logit rows, KV truncation.
+
+Each C handle is a small object whose free function is registered on an ExitStack, so a
+context is always freed before its model. A Runtime drives one model + context + batch and
+tracks exactly which tokens its KV cache holds, so callers can sync to any token sequence
+by reusing the longest cached prefix.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import sys
+import threading
+from collections.abc import Sequence
+from contextlib import ExitStack
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional, Union
+
+import llama_cpp
+import numpy as np
+from gguf import GGMLQuantizationType
+
+from . import gguf_check
+from .errors import ContextFullError, DecodeError, InvalidModelFileError, InvalidParameterError
+
+# KV cache element types users may name; values are ggml_type ids (the gguf package's table).
+KV_CACHE_TYPES = {name: int(GGMLQuantizationType[name.upper()])
+                  for name in ("f32", "f16", "bf16", "q8_0", "q5_1", "q5_0", "q4_1", "q4_0")}
+
+_FLASH_ATTN = {
+    None: llama_cpp.LLAMA_FLASH_ATTN_TYPE_AUTO,
+    True: llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED,
+    False: llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED,
+}
+
+
+@dataclass(frozen=True)
+class ModelSettings:
+    """Per-model llama.cpp settings. None means llama.cpp's own default.
+
+    n_gpu_layers=-1 offloads every layer where a GPU backend (Metal, CUDA) is built in and
+    is a no-op on CPU-only builds.
+    """
+
+    n_ctx: int = 4096
+    n_batch: int = 512
+    n_threads: Optional[int] = None
+    n_threads_batch: Optional[int] = None
+    n_gpu_layers: int = -1
+    flash_attn: Optional[bool] = None
+    type_k: Optional[str] = None
+    type_v: Optional[str] = None
+    use_mmap: bool = True
+    verbose: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("n_ctx", "n_batch"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 8:
+                raise InvalidParameterError(name, value, "an integer >= 8")
+        for name in ("n_threads", "n_threads_batch"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise InvalidParameterError(name, value, "an integer >= 1, or None for llama.cpp's default")
+        if isinstance(self.n_gpu_layers, bool) or not isinstance(self.n_gpu_layers, int) or self.n_gpu_layers < -1:
+            raise InvalidParameterError("n_gpu_layers", self.n_gpu_layers, "an integer >= -1 (-1 = all)")
+        if self.flash_attn not in _FLASH_ATTN:
+            raise InvalidParameterError("flash_attn", self.flash_attn, "True, False or None (auto)")
+        for name in ("type_k", "type_v"):
+            value = getattr(self, name)
+            if value is not None and value not in KV_CACHE_TYPES:
+                raise InvalidParameterError(name, value, f"one of {', '.join(KV_CACHE_TYPES)} or None")
+
+
+class _LogSink:
+    """Routes llama.cpp's process-wide log callback; silent unless a runtime asked for verbose."""
+
+    def __init__(self) -> None:
+        self.verbose = False
+        self._callback = llama_cpp.llama_log_callback(self._write)
+        llama_cpp.llama_log_set(self._callback, ctypes.c_void_p(0))
+
+    def _write(self, level: int, text: bytes, user_data: Any) -> None:
+        if self.verbose:
+            sys.stderr.write(text.decode("utf-8", errors="replace"))
+
+
+# llama.cpp keeps one log callback per process, so its Python side is one object too.
+_LOG_SINK = _LogSink()
+_BACKEND_ONCE = threading.Lock()
+_backend_ready = False
+
+
+def _init_backend() -> None:
+    global _backend_ready
+    with _BACKEND_ONCE:
+        if not _backend_ready:
+            llama_cpp.llama_backend_init()
+            _backend_ready = True
+
+
+class _Model:
+    def __init__(self, path: Path, settings: ModelSettings, stack: ExitStack):
+        params = llama_cpp.llama_model_default_params()
+        params.n_gpu_layers = settings.n_gpu_layers if settings.n_gpu_layers >= 0 else 2**31 - 1
+        params.load_mode = llama_cpp.LLAMA_LOAD_MODE_MMAP if settings.use_mmap else llama_cpp.LLAMA_LOAD_MODE_NONE
+        self.ptr = llama_cpp.llama_model_load_from_file(str(path).encode("utf-8"), params)
+        if not self.ptr:
+            raise InvalidModelFileError(
+                f"llama.cpp could not load {path}: the file is not a model this llama.cpp supports "
+                "(run with verbose=True to see llama.cpp's reason)"
+            )
+        stack.callback(llama_cpp.llama_model_free, self.ptr)
+
+
+class _Context:
+    def __init__(self, model_ptr: Any, settings: ModelSettings, stack: ExitStack):
+        params = llama_cpp.llama_context_default_params()
+        params.n_ctx = settings.n_ctx
+        params.n_batch = settings.n_batch
+        params.n_ubatch = settings.n_batch
+        if settings.n_threads is not None:
+            params.n_threads = settings.n_threads
+        if settings.n_threads_batch or settings.n_threads:
+            params.n_threads_batch = settings.n_threads_batch or settings.n_threads
+        params.flash_attn_type = _FLASH_ATTN[settings.flash_attn]
+        if settings.type_k is not None:
+            params.type_k = KV_CACHE_TYPES[settings.type_k]
+        if settings.type_v is not None:
+            params.type_v = KV_CACHE_TYPES[settings.type_v]
+        params.no_perf = True
+        self.ptr = llama_cpp.llama_init_from_model(model_ptr, params)
+        if not self.ptr:
+            raise InvalidParameterError(
+                "model settings", settings, "settings llama.cpp can create a context with "
+                "(a quantized V cache needs flash_attn; run with verbose=True for the reason)"
+            )
+        stack.callback(llama_cpp.llama_free, self.ptr)
+
+
+class _Batch:
+    def __init__(self, n_tokens: int, stack: ExitStack):
+        self.capacity = n_tokens
+        self.c = llama_cpp.llama_batch_init(n_tokens, 0, 1)
+        stack.callback(llama_cpp.llama_batch_free, self.c)
+
+    def fill(self, tokens: Sequence[int], pos0: int, n_logits: int) -> None:
+        c, n = self.c, len(tokens)
+        for i, token in enumerate(tokens):
+            c.token[i] = token
+            c.pos[i] = pos0 + i
+            c.n_seq_id[i] = 1
+            c.seq_id[i][0] = 0
+            c.logits[i] = i >= n - n_logits
+        c.n_tokens = n
+
+
+class Runtime:
+    """One model, its context and a batch; knows which tokens its KV cache holds.
+
+    Build with Runtime.load(path, settings) or Runtime.borrow(llama) for a llama_cpp.Llama the
+    caller owns. Close with close() or a with-block.
+    """
+
+    def __init__(self, model_ptr: Any, ctx_ptr: Any, n_batch: int, name: str, stack: ExitStack):
+        self._stack = stack
+        self.name = name
+        self._model = model_ptr
+        self._ctx = ctx_ptr
+        self._vocab = llama_cpp.llama_model_get_vocab(model_ptr)
+        self._mem = llama_cpp.llama_get_memory(ctx_ptr)
+        self.n_ctx = int(llama_cpp.llama_n_ctx(ctx_ptr))
+        self.n_vocab = int(llama_cpp.llama_vocab_n_tokens(self._vocab))
+        self.n_batch = n_batch
+        self._batch = _Batch(n_batch, stack)
+        self._n_rows = 0  # logit rows requested by the last decode
+        self._pieces: dict[int, bytes] = {}
+        self.cached: list[int] = []  # exactly the tokens at positions 0.. of the KV cache
+        llama_cpp.llama_memory_clear(self._mem, True)
+
+    @classmethod
+    def load(cls, path: Union[str, os.PathLike], settings: ModelSettings = ModelSettings()) -> "Runtime":
+        """Load a GGUF file; the header is validated in Python before llama.cpp sees it."""
+        path = gguf_check.validate(path)
+        _init_backend()
+        _LOG_SINK.verbose = settings.verbose
+        stack = ExitStack()
+        try:
+            model = _Model(path, settings, stack)
+            ctx = _Context(model.ptr, settings, stack)
+            return cls(model.ptr, ctx.ptr, settings.n_batch, path.name, stack)
+        except BaseException:
+            stack.close()
+            raise
+
+    @classmethod
+    def borrow(cls, llama: "llama_cpp.Llama") -> "Runtime":
+        """Drive an existing llama_cpp.Llama (its Metal/CUDA settings kept); the caller frees it.
+
+        Its KV cache is cleared; do not use the Llama object directly while this runtime works.
+        """
+        name = Path(getattr(llama, "model_path", "model") or "model").name
+        return cls(llama.model, llama.ctx, int(llama.n_batch), name, ExitStack())
+
+    def close(self) -> None:
+        self._stack.close()
+
+    def __del__(self) -> None:
+        self._stack.close()
+
+    def __enter__(self) -> "Runtime":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # --- vocabulary -------------------------------------------------------------------------
+
+    def tokenize(self, text: Union[str, bytes], *, add_special: bool = True, parse_special: bool = False) -> list[int]:
+        data = text.encode("utf-8") if isinstance(text, str) else text
+        n_max = len(data) + 8
+        buf = (llama_cpp.llama_token * n_max)()
+        n = llama_cpp.llama_tokenize(self._vocab, data, len(data), buf, n_max, add_special, parse_special)
+        if n < 0:
+            raise DecodeError(f"tokenization of {len(data)} bytes needed {-n} tokens, more than expected")
+        return list(buf[:n])
+
+    def piece(self, token: int) -> bytes:
+        """The bytes token stands for; control tokens render as nothing."""
+        cached = self._pieces.get(token)
+        if cached is None:
+            buf = ctypes.create_string_buffer(64)
+            n = llama_cpp.llama_token_to_piece(self._vocab, token, buf, 64, 0, False)
+            if n < 0:
+                buf = ctypes.create_string_buffer(-n)
+                n = llama_cpp.llama_token_to_piece(self._vocab, token, buf, -n, 0, False)
+            cached = self._pieces[token] = buf.raw[:n]
+        return cached
+
+    def token_text(self, token: int) -> bytes:
+        return llama_cpp.llama_vocab_get_text(self._vocab, token) or b""
+
+    def is_eog(self, token: int) -> bool:
+        return bool(llama_cpp.llama_vocab_is_eog(self._vocab, token))
+
+    @property
+    def vocab_type(self) -> int:
+        return int(llama_cpp.llama_vocab_type(self._vocab))
+
+    @property
+    def bos(self) -> int:
+        return int(llama_cpp.llama_vocab_bos(self._vocab))
+
+    @property
+    def eos(self) -> int:
+        return int(llama_cpp.llama_vocab_eos(self._vocab))
+
+    @property
+    def add_bos(self) -> bool:
+        return bool(llama_cpp.llama_vocab_get_add_bos(self._vocab))
+
+    @property
+    def add_eos(self) -> bool:
+        return bool(llama_cpp.llama_vocab_get_add_eos(self._vocab))
+
+    def chat_template(self) -> Optional[str]:
+        template = llama_cpp.llama_model_chat_template(self._model, None)
+        return template.decode("utf-8") if template else None
+
+    def apply_chat_template(self, messages: list[dict], *, add_generation_prompt: bool = True) -> str:
+        """Render messages with the chat template stored in the GGUF (jinja, as transformers does)."""
+        from llama_cpp.llama_chat_format import Jinja2ChatFormatter
+
+        template = self.chat_template()
+        if template is None:
+            raise InvalidParameterError("messages", "...", "used with a model whose GGUF has a chat template; "
+                                        "this one has none, so pass a plain prompt to generate()")
+        formatter = Jinja2ChatFormatter(
+            template=template,
+            eos_token=self.token_text(self.eos).decode("utf-8", errors="replace"),
+            bos_token=self.token_text(self.bos).decode("utf-8", errors="replace"),
+            add_generation_prompt=add_generation_prompt,
+        )
+        return formatter(messages=messages).prompt
+
+    def meta(self, key: str) -> Optional[str]:
+        buf = ctypes.create_string_buffer(512)
+        n = llama_cpp.llama_model_meta_val_str(self._model, key.encode(), buf, 512)
+        return buf.value.decode("utf-8", errors="replace") if n >= 0 else None
+
+    @property
+    def n_params(self) -> int:
+        return int(llama_cpp.llama_model_n_params(self._model))
+
+    @property
+    def model_bytes(self) -> int:
+        return int(llama_cpp.llama_model_size(self._model))
+
+    # --- decoding ---------------------------------------------------------------------------
+
+    def decode(self, tokens: Sequence[int], *, n_logits: int = 1) -> None:
+        """Append tokens to the KV cache at positions len(cached)..; keep logits for the last n_logits.
+
+        Raises ContextFullError (nothing appended) when they do not fit; on any failure or
+        interruption the cache is rolled back to where it was.
+        """
+        n_past = len(self.cached)
+        if not tokens:
+            raise ValueError("decode needs at least one token")
+        if n_past + len(tokens) > self.n_ctx:
+            raise ContextFullError(
+                f"{self.name}: {n_past} cached + {len(tokens)} new tokens exceed the context of "
+                f"{self.n_ctx} tokens; raise n_ctx or shorten the prompt"
+            )
+        if not 0 < n_logits <= min(len(tokens), self.n_batch):
+            raise ValueError(f"n_logits={n_logits} must be in 1..{min(len(tokens), self.n_batch)}")
+        try:
+            for start in range(0, len(tokens), self.n_batch):
+                chunk = tokens[start:start + self.n_batch]
+                # logits are only kept for the final chunk; all requested rows must be in it
+                n_chunk_logits = n_logits - (len(tokens) - start - len(chunk))
+                self._batch.fill(chunk, n_past + start, max(0, n_chunk_logits))
+                self._check(llama_cpp.llama_decode(self._ctx, self._batch.c), n_past + start, len(chunk))
+            self._n_rows = n_logits
+            self._n_last_chunk = len(chunk)
+            self.cached.extend(tokens)
+        except BaseException:
+            self._n_rows = 0
+            llama_cpp.llama_memory_seq_rm(self._mem, 0, n_past, -1)
+            raise
+
+    def _check(self, status: int, pos: int, n_tokens: int) -> None:
+        if status == 0:
+            return
+        if status == 1:
+            raise ContextFullError(
+                f"{self.name}: no KV cache slot for {n_tokens} tokens at position {pos}; "
+                "raise n_ctx or shorten the prompt"
+            )
+        if status == 2:
+            raise DecodeError(f"{self.name}: llama_decode was aborted")
+        raise DecodeError(f"{self.name}: llama_decode failed with status {status}")
+
+    def logits(self, row: int) -> np.ndarray:
+        """Zero-copy view of logit row `row` (0-based among the rows the last decode kept).
+
+        The view is only valid until the next decode.
+        """
+        if not 0 <= row < self._n_rows:
+            raise IndexError(f"logit row {row} was not requested by the last decode ({self._n_rows} rows)")
+        index = self._n_last_chunk - self._n_rows + row
+        ptr = llama_cpp.llama_get_logits_ith(self._ctx, index)
+        if not ptr:
+            raise DecodeError(f"{self.name}: llama.cpp returned no logits for batch row {index}")
+        return np.ctypeslib.as_array(ptr, shape=(self.n_vocab,))
+
+    def truncate(self, n_keep: int) -> None:
+        """Drop every cached token at position >= n_keep."""
+        if n_keep >= len(self.cached):
+            return
+        if not llama_cpp.llama_memory_seq_rm(self._mem, 0, n_keep, -1):
+            raise DecodeError(f"{self.name}: this model's memory cannot be rolled back to {n_keep} tokens")
+        del self.cached[n_keep:]
+        self._n_rows = 0
+
+    def sync(self, tokens: Sequence[int]) -> None:
+        """Make the cache hold tokens[:-1] + tokens[-1] with logits for the last one.
+
+        Reuses the longest cached prefix and decodes only the rest (always at least one token).
+        """
+        n_common = _common_prefix(self.cached, tokens)
+        self.truncate(min(n_common, len(tokens) - 1))
+        self.decode(tokens[len(self.cached):], n_logits=1)
+
+
+def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    n = min(len(a), len(b))
+    if a[:n] == b[:n]:
+        return n
+    diff = np.flatnonzero(np.asarray(a[:n]) != np.asarray(b[:n]))
+    return int(diff[0])
+
+
+def open_runtime(model: Any, settings: ModelSettings) -> Runtime:
+    """A Runtime for a GGUF path or a borrowed llama_cpp.Llama."""
+    if isinstance(model, llama_cpp.Llama):
+        return Runtime.borrow(model)
+    if isinstance(model, (str, os.PathLike)):
+        return Runtime.load(model, settings)
+    raise InvalidParameterError("model", model, "a .gguf path or a llama_cpp.Llama")

@@ -1,0 +1,142 @@
+"""Sampling settings and the pure transforms that turn one logit row into a distribution.
+
+The target (p) and the draft (q) go through the same transform, so speculative sampling
+reproduces exactly the distribution of target-only sampling with these settings. Filters run
+in llama.cpp's order, on the untempered logits: top_k, top_p, min_p, then temperature.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import numpy as np
+
+from .errors import InvalidParameterError
+
+
+@dataclass(frozen=True)
+class SamplingSettings:
+    """How to pick the next token. temperature 0 means greedy (argmax).
+
+    Defaults match llama.cpp and llama-cpp-python for temperature > 0.
+    """
+
+    temperature: float = 0.0
+    top_k: int = 40
+    top_p: float = 0.95
+    min_p: float = 0.05
+
+    def __post_init__(self) -> None:
+        t = self.temperature
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) or t < 0:
+            raise InvalidParameterError("temperature", t, "a finite number >= 0 (0 = greedy)")
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
+            raise InvalidParameterError("top_k", self.top_k, "an integer >= 0 (0 = off)")
+        if not _is_real(self.top_p) or not 0.0 < self.top_p <= 1.0:
+            raise InvalidParameterError("top_p", self.top_p, "in (0, 1] (1 = off)")
+        if not _is_real(self.min_p) or not 0.0 <= self.min_p <= 1.0:
+            raise InvalidParameterError("min_p", self.min_p, "in [0, 1] (0 = off)")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+def _is_real(x: object) -> bool:
+    return not isinstance(x, bool) and isinstance(x, (int, float)) and math.isfinite(x)
+
+
+class Dist(NamedTuple):
+    """A sparse distribution: token ids (most likely first) and their probabilities (sum 1)."""
+
+    ids: np.ndarray  # int64
+    probs: np.ndarray  # float64
+
+    @classmethod
+    def from_dense(cls, probs: np.ndarray) -> "Dist":
+        probs = np.asarray(probs, dtype=np.float64)
+        ids = np.flatnonzero(probs > 0)
+        return cls(ids, probs[ids] / probs[ids].sum())
+
+    @classmethod
+    def one_hot(cls, token: int) -> "Dist":
+        return cls(np.array([token], dtype=np.int64), np.ones(1))
+
+    def prob(self, token: int) -> float:
+        hit = self.probs[self.ids == token]
+        return float(hit[0]) if hit.size else 0.0
+
+
+def _softmax(x: np.ndarray) -> np.ndarray:
+    e = np.exp(x - x[0])  # x is sorted descending, so x[0] is the max
+    return e / e.sum()
+
+
+def _top_candidates(logits: np.ndarray, n: int) -> np.ndarray:
+    """Ids of the n largest logits, largest first (ties broken by lower id)."""
+    n_vocab = logits.shape[0]
+    if n < n_vocab:
+        ids = np.argpartition(logits, n_vocab - n)[n_vocab - n:]
+    else:
+        ids = np.arange(n_vocab)
+    order = np.lexsort((ids, -logits[ids]))
+    return ids[order]
+
+
+def distribution(logits: np.ndarray, settings: SamplingSettings) -> Dist:
+    """Apply top_k, top_p, min_p and temperature to one row of logits (temperature > 0).
+
+    Args:
+        logits: one row of raw logits, shape (n_vocab,); not modified.
+        settings: sampling settings with temperature > 0.
+    Returns:
+        The sparse distribution over the surviving tokens.
+    """
+    n_vocab = logits.shape[0]
+    n_keep = settings.top_k if 0 < settings.top_k < n_vocab else n_vocab
+    if n_keep == n_vocab and settings.top_p < 1.0:
+        # top_p alone: grow a partitioned candidate set until it holds top_p of the mass,
+        # instead of sorting the whole vocabulary.
+        log_z = _logsumexp(logits)
+        n_try = 64
+        while n_try < n_vocab:
+            ids = _top_candidates(logits, n_try)
+            if np.exp(logits[ids].astype(np.float64) - log_z).sum() >= settings.top_p:
+                break
+            n_try *= 4
+        else:
+            ids = _top_candidates(logits, n_vocab)
+    elif n_keep == n_vocab and settings.min_p > 0.0:
+        # min_p alone: its threshold is known up front, so only the survivors are sorted.
+        survivors = np.flatnonzero(logits >= logits.max() + math.log(settings.min_p))
+        ids = survivors[np.lexsort((survivors, -logits[survivors]))]
+    else:
+        ids = _top_candidates(logits, n_keep)
+    x = logits[ids].astype(np.float64)
+    if settings.top_p < 1.0:
+        probs = np.exp(x - _logsumexp(logits)) if n_keep == n_vocab else _softmax(x)
+        n_top_p = int(np.searchsorted(np.cumsum(probs), settings.top_p)) + 1
+        ids, x = ids[:n_top_p], x[:n_top_p]
+    if settings.min_p > 0.0:
+        n_min_p = int(np.count_nonzero(x >= x[0] + math.log(settings.min_p)))
+        ids, x = ids[:n_min_p], x[:n_min_p]
+    return Dist(ids.astype(np.int64), _softmax(x / settings.temperature))
+
+
+def _logsumexp(logits: np.ndarray) -> float:
+    m = float(logits.max())
+    return m + math.log(float(np.exp(logits - m, dtype=np.float64).sum()))
+
+
+def sample(dist: Dist, rng: np.random.Generator) -> int:
+    """Draw one token id from dist."""
+    cdf = np.cumsum(dist.probs)
+    i = int(np.searchsorted(cdf, rng.random() * cdf[-1], side="right"))
+    return int(dist.ids[min(i, len(dist.ids) - 1)])
+
+
+def greedy(logits: np.ndarray) -> int:
+    """The argmax token (lowest id on ties)."""
+    return int(np.argmax(logits))

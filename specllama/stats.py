@@ -1,0 +1,73 @@
+"""Acceptance and timing accounting for one generation."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+
+@dataclass
+class Stats:
+    """Counters and timings of one generation; times are seconds of wall clock."""
+
+    n_prompt: int = 0
+    n_generated: int = 0
+    n_rounds: int = 0  # target verify passes after the prompt (plain decoding: one per token)
+    n_drafted: int = 0
+    n_accepted: int = 0
+    accepted_at: list[int] = field(default_factory=list)  # [i]: drafts accepted at position i
+    drafted_at: list[int] = field(default_factory=list)  # [i]: rounds that drafted position i
+    t_prefill: float = 0.0
+    t_draft: float = 0.0
+    t_verify: float = 0.0
+    t_total: float = 0.0
+
+    def record_round(self, n_drafted: int, n_accepted: int) -> None:
+        self.n_rounds += 1
+        self.n_drafted += n_drafted
+        self.n_accepted += n_accepted
+        for counts, n in ((self.drafted_at, n_drafted), (self.accepted_at, n_accepted)):
+            if len(counts) < n:
+                counts.extend([0] * (n - len(counts)))
+            for i in range(n):
+                counts[i] += 1
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.n_accepted / self.n_drafted if self.n_drafted else 0.0
+
+    @property
+    def tokens_per_round(self) -> float:
+        return (self.n_accepted + self.n_rounds) / self.n_rounds if self.n_rounds else 0.0
+
+    @property
+    def acceptance_by_position(self) -> list[float]:
+        return [a / d for a, d in zip(self.accepted_at, self.drafted_at)]
+
+    @property
+    def t_decode(self) -> float:
+        return self.t_total - self.t_prefill
+
+    @property
+    def t_other(self) -> float:
+        return max(0.0, self.t_decode - self.t_draft - self.t_verify)
+
+    @property
+    def decode_tokens_per_second(self) -> float:
+        # the first token comes from the prefill, so the decode phase produced the rest
+        n = self.n_generated - 1
+        return n / self.t_decode if n > 0 and self.t_decode > 0 else 0.0
+
+    def as_dict(self) -> dict:
+        out = asdict(self)
+        for name in ("acceptance_rate", "tokens_per_round", "acceptance_by_position", "t_decode",
+                     "t_other", "decode_tokens_per_second"):
+            out[name] = getattr(self, name)
+        return out
+
+    def summary(self) -> str:
+        line = (f"{self.n_generated} tokens, {self.decode_tokens_per_second:.1f} tok/s, "
+                f"prefill {self.n_prompt} tokens in {self.t_prefill:.2f}s")
+        if self.n_drafted:
+            line += (f", acceptance {self.acceptance_rate:.0%} ({self.n_accepted}/{self.n_drafted}), "
+                     f"{self.tokens_per_round:.2f} tokens/round")
+        return line

@@ -1,0 +1,75 @@
+"""Pure verification rules, in the notation of Leviathan et al. (2023) and Chen et al. (2023).
+
+x_1..x_k are the drafted tokens, q_i the draft's distribution x_i was drawn from, p_i the
+target's distribution at the same position (p has k+1 entries: the last one yields the bonus
+token). Both functions return (n_accepted, next_token): the first n_accepted drafts are kept,
+then next_token (the correction at the first rejection, or the bonus token).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import Optional
+
+import numpy as np
+
+from .sampling import Dist, sample
+
+
+def greedy_verify(draft_tokens: Sequence[int], target_argmax: Iterable[int]) -> tuple[int, int]:
+    """Accept the longest prefix where argmax(p_i) == x_i, then argmax(p) at the first mismatch.
+
+    Args:
+        draft_tokens: x_1..x_k.
+        target_argmax: argmax of p_1..p_{k+1}; consumed lazily, so rows past the first
+            mismatch are never computed.
+    """
+    for i, best in enumerate(target_argmax):
+        if i == len(draft_tokens) or best != draft_tokens[i]:
+            return i, best
+    raise ValueError("target_argmax must have one more entry than draft_tokens")
+
+
+def residual(p: Dist, q: Dist) -> Dist:
+    """normalize(max(0, p - q)): the distribution to resample from after a rejection."""
+    ids = np.union1d(p.ids, q.ids)
+    diff = np.zeros(ids.shape[0])
+    diff[np.searchsorted(ids, p.ids)] += p.probs
+    diff[np.searchsorted(ids, q.ids)] -= q.probs
+    keep = diff > 0
+    total = diff[keep].sum()
+    if total <= 0.0:
+        # p == q up to rounding: a rejection had probability ~0, and p is the right answer.
+        return p
+    return Dist(ids[keep], diff[keep] / total)
+
+
+def speculative_verify(
+    draft_tokens: Sequence[int],
+    q: Sequence[Optional[Dist]],
+    p: Iterable[Dist],
+    rng: np.random.Generator,
+) -> tuple[int, int]:
+    """Speculative sampling: keep x_i with probability min(1, p_i(x_i) / q_i(x_i)).
+
+    On the first rejection the next token is drawn from normalize(max(0, p_i - q_i)); after k
+    acceptances the bonus token is drawn from p_{k+1}. The output is distributed exactly as
+    sampling from p alone. A q_i of None means the proposal was deterministic (prompt lookup):
+    q_i is then one-hot on x_i, which is the "sample from p and compare" rule.
+
+    Args:
+        draft_tokens: x_1..x_k.
+        q: q_1..q_k, or None entries for deterministic proposals.
+        p: p_1..p_{k+1}; consumed lazily.
+        rng: the generator every random draw comes from.
+    """
+    for i, p_i in enumerate(p):
+        if i == len(draft_tokens):
+            return i, sample(p_i, rng)
+        x_i = draft_tokens[i]
+        q_i = q[i] if q[i] is not None else Dist.one_hot(x_i)
+        p_x, q_x = p_i.prob(x_i), q_i.prob(x_i)
+        if rng.random() * q_x < p_x:  # r < p/q, without dividing by a q that may be 0
+            continue
+        return i, sample(residual(p_i, q_i), rng)
+    raise ValueError("p must have one more entry than draft_tokens")
