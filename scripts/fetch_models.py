@@ -129,16 +129,48 @@ def fetch(name: str) -> Path:
     return out
 
 
+# Derived models: made from a fetched one with llama.cpp's own quantizer, then cached.
+# The F16 target is memory-bound like big models on a Mac Studio or an RTX card.
+DERIVED = {"target-f16": ("target", "qwen2.5-coder-1.5b-instruct-f16.gguf", 1)}  # 1 = LLAMA_FTYPE_MOSTLY_F16
+
+
+def derive(name: str) -> Path:
+    """Return the path of a derived model, making it with llama_model_quantize if missing."""
+    source, file_name, ftype = DERIVED[name]
+    out = cache_dir() / file_name
+    if out.exists():
+        return out
+    import llama_cpp  # only needed here; fetching the plain models works without it
+
+    src = fetch(source)
+    print(f"making {file_name} from {src.name} with llama_model_quantize ...", file=sys.stderr)
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype = ftype
+    params.allow_requantize = True
+    partial = out.with_suffix(".partial")
+    status = llama_cpp.llama_model_quantize(str(src).encode(), str(partial).encode(), params)
+    if status != 0:
+        partial.unlink(missing_ok=True)
+        raise SystemExit(f"llama_model_quantize failed with status {status}")
+    partial.replace(out)
+    return out
+
+
+def path_of(name: str) -> Path:
+    return derive(name) if name in DERIVED else fetch(name)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("names", nargs="*", help=f"models to fetch, of {', '.join(MODELS)} (default: all)")
+    parser.add_argument("names", nargs="*", help=f"models to fetch, of {', '.join([*MODELS, *DERIVED])} (default: all but derived)")
     parser.add_argument("--path", action="store_true", help="print only the path(s)")
     args = parser.parse_args(argv)
-    unknown = [n for n in args.names if n not in MODELS]
+    known = [*MODELS, *DERIVED]
+    unknown = [n for n in args.names if n not in known]
     if unknown:
-        parser.error(f"unknown model(s) {', '.join(unknown)}; choose from {', '.join(MODELS)}")
+        parser.error(f"unknown model(s) {', '.join(unknown)}; choose from {', '.join(known)}")
     for name in args.names or list(MODELS):
-        path = fetch(name)
+        path = path_of(name)
         print(path if args.path else f"{name}\t{path}")
     return 0
 

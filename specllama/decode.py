@@ -44,6 +44,9 @@ def generate_steps(
     """
     tokens = list(prompt)
     t_start = time.perf_counter()
+    # A fresh prefill: reusing a cached prefix would batch the prompt differently from a
+    # run of the target alone, and llama.cpp's logits depend on batch shape.
+    target.truncate(0)
     target.sync(tokens)
     if proposer is not None and n_draft > 0:
         proposer.prefill(tokens)

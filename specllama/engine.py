@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import math
+import logging
 import threading
 import time
 from collections.abc import Iterator, Sequence
@@ -12,6 +12,7 @@ from typing import Any, Optional, Union
 
 import numpy as np
 
+from .calibrate import invariant_batch_size
 from .compat import VocabInfo, check_compatible
 from .decode import generate_steps
 from .errors import BusyError, EmptyPromptError, InvalidParameterError, PromptTooLongError
@@ -21,8 +22,10 @@ from .sampling import SamplingSettings
 from .stats import Stats
 from .text import Detokenizer, StopMatcher
 
+log = logging.getLogger("specllama")
+
 Prompt = Union[str, Sequence[int]]
-MAX_N_DRAFT = 64
+MAX_N_DRAFT = 32
 
 
 @dataclass(frozen=True)
@@ -85,13 +88,26 @@ class SpecLlama:
     distribution. Build it with specllama.load().
     """
 
-    def __init__(self, target: Runtime, draft: Optional[Runtime] = None, *, n_draft: int = 4):
+    def __init__(self, target: Runtime, draft: Optional[Runtime] = None, *, n_draft: int = 4,
+                 exact: bool = True):
         self.target = target
         self.draft = draft
         self.n_draft = _check_n_draft(n_draft)
+        if not isinstance(exact, bool):
+            raise InvalidParameterError("exact", exact, "True or False")
+        self.exact = exact
         self._lock = threading.Lock()
+        # Longest draft whose verify pass is bitwise the target's own single-token decoding.
+        self.max_exact_draft = MAX_N_DRAFT
         if draft is not None:
             check_compatible(_vocab_info(target), _vocab_info(draft))
+            if exact:
+                self.max_exact_draft = invariant_batch_size(target, MAX_N_DRAFT + 1) - 1
+                if self.max_exact_draft < self.n_draft:
+                    log.warning(
+                        "%s computes different logits for verify batches over %d tokens on this backend; "
+                        "drafting at most %d tokens a round so output stays identical (exact=False lifts this)",
+                        target.name, self.max_exact_draft + 1, self.max_exact_draft)
 
     # --- public API --------------------------------------------------------------------------
 
@@ -194,6 +210,8 @@ class SpecLlama:
             raise InvalidParameterError("stop", stop, "a non-empty string or a list of non-empty strings")
         sampling = SamplingSettings(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p)
         n_draft = self.n_draft if n_draft is None else _check_n_draft(n_draft)
+        if self.exact:
+            n_draft = min(n_draft, self.max_exact_draft)
         return _Request(prompt, sampling, max_tokens, seed, stops, n_draft)
 
     @contextmanager
@@ -262,13 +280,18 @@ def _vocab_info(runtime: Runtime) -> VocabInfo:
 _SETTING_NAMES = {f.name for f in fields(ModelSettings)}
 
 
-def load(target: Any, draft: Any = None, *, n_draft: int = 4, **model_settings: Any) -> SpecLlama:
+def load(target: Any, draft: Any = None, *, n_draft: int = 4, exact: bool = True,
+         **model_settings: Any) -> SpecLlama:
     """Load a target model and an optional draft of the same family.
 
     Args:
         target: path of a GGUF file, or a llama_cpp.Llama you built (its settings are kept).
         draft: the same kinds, or None for plain decoding.
-        n_draft: tokens drafted per round (0..64).
+        n_draft: tokens drafted per round (0..32).
+        exact: keep every verify pass within the batch size measured (once, then cached) to
+            give bitwise the target's single-token logits, so greedy output is identical to
+            the target alone. False drafts n_draft regardless; output may then differ where
+            the target's top two tokens are within its own batch-size rounding.
         **model_settings: llama.cpp settings for both models: n_ctx, n_batch, n_threads,
             n_threads_batch, n_gpu_layers, flash_attn, type_k, type_v, use_mmap, verbose.
             Prefix one with draft_ to set it for the draft alone (e.g. draft_n_gpu_layers=0).
@@ -286,7 +309,7 @@ def load(target: Any, draft: Any = None, *, n_draft: int = 4, **model_settings: 
     try:
         if draft is not None:
             draft_rt = open_runtime(draft, ModelSettings(**draft_kw))
-        return SpecLlama(target_rt, draft_rt, n_draft=n_draft)
+        return SpecLlama(target_rt, draft_rt, n_draft=n_draft, exact=exact)
     except BaseException:
         if draft_rt is not None:
             draft_rt.close()

@@ -164,9 +164,12 @@ class Runtime:
     caller owns. Close with close() or a with-block.
     """
 
-    def __init__(self, model_ptr: Any, ctx_ptr: Any, n_batch: int, name: str, stack: ExitStack):
+    def __init__(self, model_ptr: Any, ctx_ptr: Any, n_batch: int, name: str, stack: ExitStack,
+                 identity: str = ""):
         self._stack = stack
         self.name = name
+        # what a measurement of this runtime depends on: file, settings, llama.cpp build
+        self.identity = identity
         self._model = model_ptr
         self._ctx = ctx_ptr
         self._vocab = llama_cpp.llama_model_get_vocab(model_ptr)
@@ -190,7 +193,10 @@ class Runtime:
         try:
             model = _Model(path, settings, stack)
             ctx = _Context(model.ptr, settings, stack)
-            return cls(model.ptr, ctx.ptr, settings.n_batch, path.name, stack)
+            stat = path.stat()
+            identity = "|".join([str(path.resolve()), str(stat.st_size), str(stat.st_mtime_ns), repr(settings),
+                                 llama_cpp.__version__, _system_info()])
+            return cls(model.ptr, ctx.ptr, settings.n_batch, path.name, stack, identity)
         except BaseException:
             stack.close()
             raise
@@ -201,8 +207,11 @@ class Runtime:
 
         Its KV cache is cleared; do not use the Llama object directly while this runtime works.
         """
-        name = Path(getattr(llama, "model_path", "model") or "model").name
-        return cls(llama.model, llama.ctx, int(llama.n_batch), name, ExitStack())
+        path = Path(getattr(llama, "model_path", "model") or "model")
+        identity = "|".join([str(path), repr(llama.model_params.n_gpu_layers), repr(llama.context_params.n_threads),
+                             repr(llama.context_params.flash_attn_type), repr(llama.context_params.type_k),
+                             repr(llama.context_params.n_ubatch), llama_cpp.__version__, _system_info()])
+        return cls(llama.model, llama.ctx, int(llama.n_batch), path.name, ExitStack(), identity)
 
     def close(self) -> None:
         self._stack.close()
@@ -373,6 +382,11 @@ class Runtime:
         n_common = _common_prefix(self.cached, tokens)
         self.truncate(min(n_common, len(tokens) - 1))
         self.decode(tokens[len(self.cached):], n_logits=1)
+
+
+def _system_info() -> str:
+    info = llama_cpp.llama_print_system_info()
+    return info.decode("utf-8", "replace") if info else ""
 
 
 def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:

