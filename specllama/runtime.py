@@ -164,8 +164,7 @@ class Runtime:
     caller owns. Close with close() or a with-block.
     """
 
-    def __init__(self, model_ptr: Any, ctx_ptr: Any, n_batch: int, name: str, stack: ExitStack,
-                 identity: str = ""):
+    def __init__(self, model_ptr: Any, ctx_ptr: Any, name: str, stack: ExitStack, identity: str = ""):
         self._stack = stack
         self.name = name
         # what a measurement of this runtime depends on: file, settings, llama.cpp build
@@ -176,8 +175,9 @@ class Runtime:
         self._mem = llama_cpp.llama_get_memory(ctx_ptr)
         self.n_ctx = int(llama_cpp.llama_n_ctx(ctx_ptr))
         self.n_vocab = int(llama_cpp.llama_vocab_n_tokens(self._vocab))
-        self.n_batch = n_batch
-        self._batch = _Batch(n_batch, stack)
+        # llama.cpp may clamp the requested batch size (to n_ctx), so ask the context
+        self.n_batch = int(llama_cpp.llama_n_batch(ctx_ptr))
+        self._batch = _Batch(self.n_batch, stack)
         self._n_rows = 0  # logit rows requested by the last decode
         self._pieces: dict[int, bytes] = {}
         self.cached: list[int] = []  # exactly the tokens at positions 0.. of the KV cache
@@ -196,7 +196,7 @@ class Runtime:
             stat = path.stat()
             identity = "|".join([str(path.resolve()), str(stat.st_size), str(stat.st_mtime_ns), repr(settings),
                                  llama_cpp.__version__, _system_info()])
-            return cls(model.ptr, ctx.ptr, settings.n_batch, path.name, stack, identity)
+            return cls(model.ptr, ctx.ptr, path.name, stack, identity)
         except BaseException:
             stack.close()
             raise
@@ -211,7 +211,7 @@ class Runtime:
         identity = "|".join([str(path), repr(llama.model_params.n_gpu_layers), repr(llama.context_params.n_threads),
                              repr(llama.context_params.flash_attn_type), repr(llama.context_params.type_k),
                              repr(llama.context_params.n_ubatch), llama_cpp.__version__, _system_info()])
-        return cls(llama.model, llama.ctx, int(llama.n_batch), path.name, ExitStack(), identity)
+        return cls(llama.model, llama.ctx, path.name, ExitStack(), identity)
 
     def close(self) -> None:
         self._stack.close()

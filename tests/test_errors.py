@@ -1,0 +1,152 @@
+"""Bad input: a typed error with a clear message, and the object keeps working afterwards."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+
+import specllama
+from specllama import (
+    EmptyPromptError,
+    IncompatibleDraftError,
+    InvalidModelFileError,
+    InvalidParameterError,
+    ModelNotFoundError,
+    PromptTooLongError,
+)
+from specllama.runtime import ModelSettings, Runtime
+
+from conftest import SETTINGS
+from prompts import CODE
+
+
+@pytest.fixture(scope="module")
+def golden(plain):
+    return plain.generate(CODE, max_tokens=12).tokens
+
+
+def test_missing_file(tmp_path):
+    with pytest.raises(ModelNotFoundError, match="model file not found: .*nope.gguf"):
+        specllama.load(tmp_path / "nope.gguf")
+
+
+def test_not_a_gguf(tmp_path):
+    path = tmp_path / "model.gguf"
+    path.write_bytes(b"<html>not a model</html>" * 100)
+    with pytest.raises(InvalidModelFileError, match="not a valid GGUF model.*magic"):
+        specllama.load(path)
+
+
+def test_directory(tmp_path):
+    with pytest.raises(InvalidModelFileError, match="is not a file"):
+        specllama.load(tmp_path)
+
+
+@pytest.mark.parametrize("fraction", [0.001, 0.5, 0.999])
+def test_truncated_gguf(tmp_path, model_paths, fraction):
+    src = model_paths["smollm2"]
+    path = tmp_path / "truncated.gguf"
+    with open(src, "rb") as f:
+        path.write_bytes(f.read(int(src.stat().st_size * fraction)))
+    with pytest.raises(InvalidModelFileError, match="truncated|past the end"):
+        specllama.load(path)
+
+
+def test_incompatible_draft_via_load(model_paths):
+    with pytest.raises(IncompatibleDraftError, match=r"token \d+ is .* in the target but .* in the draft|differs"):
+        specllama.load(model_paths["draft"], model_paths["smollm2"], **SETTINGS)
+
+
+@pytest.mark.parametrize("name", ["gemma", "smollm2"])
+def test_incompatible_draft_names_the_difference(pair, model_paths, name):
+    with Runtime.load(model_paths[name], ModelSettings(**SETTINGS)) as other:
+        with pytest.raises(IncompatibleDraftError) as info:
+            specllama.SpecLlama(pair.target, other)
+    message = str(info.value)
+    assert other.name in message and pair.target.name in message
+    assert "same model family" in message
+
+
+def test_first_differing_token_is_named(pair, model_paths):
+    """SmolLM2 and Qwen share BOS/EOS-free BPE settings? Whatever differs first is named exactly."""
+    with Runtime.load(model_paths["smollm2"], ModelSettings(**SETTINGS)) as other:
+        with pytest.raises(IncompatibleDraftError, match=r"differs|token \d+ is"):
+            specllama.SpecLlama(pair.target, other)
+
+
+def test_same_model_as_its_own_draft_is_compatible(pair):
+    specllama.SpecLlama(pair.target, pair.draft, exact=False)  # no exception
+
+
+BAD_CALLS = [
+    (dict(prompt=""), EmptyPromptError, "empty"),
+    (dict(prompt=[]), EmptyPromptError, "empty"),
+    (dict(prompt=[10**9]), InvalidParameterError, "prompt="),
+    (dict(prompt=None), InvalidParameterError, "prompt="),
+    (dict(prompt="x " * 3000), PromptTooLongError, "tokens but the context holds 2048"),
+    (dict(n_draft=-1), InvalidParameterError, r"n_draft=-1 .* 0\.\.32"),
+    (dict(n_draft=100), InvalidParameterError, "n_draft=100"),
+    (dict(temperature=-1.0), InvalidParameterError, "temperature=-1.0"),
+    (dict(top_p=0.0), InvalidParameterError, r"top_p=0\.0 .* \(0, 1\]"),
+    (dict(top_p=1.5), InvalidParameterError, "top_p=1.5"),
+    (dict(max_tokens=0), InvalidParameterError, "max_tokens=0 .* >= 1"),
+    (dict(max_tokens=2.5), InvalidParameterError, "max_tokens=2.5"),
+    (dict(seed=-3), InvalidParameterError, "seed=-3"),
+    (dict(stop=[""]), InvalidParameterError, "stop="),
+    (dict(top_k=-2), InvalidParameterError, "top_k=-2"),
+    (dict(min_p=2.0), InvalidParameterError, "min_p=2.0"),
+]
+
+
+@pytest.mark.parametrize("kwargs, error, message", BAD_CALLS, ids=[str(k) for k, _, _ in BAD_CALLS])
+def test_bad_parameters_raise_then_the_object_still_works(pair, golden, kwargs, error, message):
+    kwargs = {"max_tokens": 12, **kwargs}
+    prompt = kwargs.pop("prompt", CODE)
+    with pytest.raises(error, match=message):
+        pair.generate(prompt, **kwargs)
+    with pytest.raises(error, match=message):  # streams check eagerly, before any iteration
+        pair.stream(prompt, **kwargs)
+    assert pair.generate(CODE, max_tokens=12).tokens == golden
+
+
+def test_value_errors_are_value_errors(pair):
+    with pytest.raises(ValueError):
+        pair.generate(CODE, temperature=-1)
+    with pytest.raises(ValueError):
+        pair.generate("")
+
+
+def test_unknown_setting_is_a_type_error(model_paths):
+    with pytest.raises(TypeError, match="unknown setting 'n_gpu'"):
+        specllama.load(model_paths["target"], n_gpu=3)
+
+
+def test_invalid_model_settings(model_paths):
+    with pytest.raises(InvalidParameterError, match="n_ctx=4 "):
+        specllama.load(model_paths["target"], n_ctx=4)
+    with pytest.raises(InvalidParameterError, match="type_k='q9'"):
+        specllama.load(model_paths["target"], type_k="q9")
+
+
+def test_context_fills_up_with_length(model_paths):
+    with specllama.load(model_paths["target"], model_paths["draft"], n_ctx=64, n_threads=2) as llm:
+        prompt = llm.tokenize(CODE)
+        r = llm.generate(prompt, max_tokens=500)
+        assert r.finish_reason == "length"
+        n_ctx = llm.target.n_ctx  # llama.cpp rounds n_ctx up to its padding
+        assert n_ctx < 512
+        assert len(prompt) + len(r.tokens) == n_ctx + 1
+        with pytest.raises(PromptTooLongError):
+            llm.generate(prompt * 100)
+        exact_fit = (prompt * 100)[:n_ctx]
+        assert len(llm.generate(exact_fit, max_tokens=5).tokens) == 1
+
+
+def test_busy_while_a_stream_is_open(pair):
+    stream = pair.stream(CODE, max_tokens=8)
+    next(stream)
+    with pytest.raises(specllama.BusyError, match="already generating"):
+        pair.generate(CODE, max_tokens=2)
+    stream.close()
+    assert pair.generate(CODE, max_tokens=2).finish_reason == "length"
