@@ -104,7 +104,7 @@ class SpecLlama:
             if exact:
                 self.max_exact_draft = invariant_batch_size(target, MAX_N_DRAFT + 1) - 1
                 if self.max_exact_draft < self.n_draft:
-                    log.warning(
+                    log.info(
                         "%s computes different logits for verify batches over %d tokens on this backend; "
                         "drafting at most %d tokens a round so output stays identical (exact=False lifts this)",
                         target.name, self.max_exact_draft + 1, self.max_exact_draft)
@@ -225,7 +225,7 @@ class SpecLlama:
             self._lock.release()
 
     def _run(self, req: _Request, stream: Stream) -> Iterator[Chunk]:
-        stats = Stats(n_prompt=len(req.prompt))
+        stats = Stats(n_prompt=len(req.prompt), n_draft_max=req.n_draft if self.draft is not None else 0)
         tokens: list[int] = []
         texts: list[str] = []
         finish = "cancelled"

@@ -10,6 +10,7 @@ class Stats:
     """Counters and timings of one generation; times are seconds of wall clock."""
 
     n_prompt: int = 0
+    n_draft_max: int = 0  # the most tokens a round could draft (after the exact-mode cap)
     n_generated: int = 0
     n_rounds: int = 0  # target verify passes after the prompt (plain decoding: one per token)
     n_drafted: int = 0
@@ -69,5 +70,5 @@ class Stats:
                 f"prefill {self.n_prompt} tokens in {self.t_prefill:.2f}s")
         if self.n_drafted:
             line += (f", acceptance {self.acceptance_rate:.0%} ({self.n_accepted}/{self.n_drafted}), "
-                     f"{self.tokens_per_round:.2f} tokens/round")
+                     f"{self.tokens_per_round:.2f} tokens/round, up to {self.n_draft_max} drafted")
         return line

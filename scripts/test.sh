@@ -1,0 +1,7 @@
+#!/usr/bin/env bash
+# Set up, fetch the test models (once), and run the test suite. Extra arguments go to pytest.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup.sh
+.venv/bin/python scripts/fetch_models.py target draft gemma smollm2 >/dev/null
+exec .venv/bin/python -m pytest -q "$@"

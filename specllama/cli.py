@@ -1,0 +1,160 @@
+"""The specllama command line. Library errors become one line with the next step."""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+import time
+from typing import Any, Optional
+
+import click
+
+from . import __version__
+from .errors import SpecLlamaError
+
+
+class _Group(click.Group):
+    """Formats specllama's errors as one line (full traceback with --verbose)."""
+
+    def invoke(self, ctx: click.Context) -> Any:
+        try:
+            return super().invoke(ctx)
+        except (SpecLlamaError, ValueError, FileNotFoundError) as e:
+            if ctx.meta.get("specllama.verbose"):
+                raise
+            raise click.ClickException(f"{type(e).__name__}: {e}") from None
+        except KeyboardInterrupt:
+            click.echo("\ninterrupted", err=True)
+            ctx.exit(130)
+
+
+@click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(__version__, prog_name="specllama")
+def main() -> None:
+    """Faster GGUF generation with a draft model, with the target model's exact output."""
+
+
+def _model_options(f):
+    for option in reversed([
+        click.option("--draft", "draft", default="auto", envvar="SPECLLAMA_DRAFT", show_default=True,
+                     help="Draft model: auto, none, or a .gguf path / repo id / alias."),
+        click.option("--n-draft", type=int, default=None, help="Tokens drafted per round (default 4)."),
+        click.option("--ctx", "n_ctx", type=int, default=4096, show_default=True, help="Context size in tokens."),
+        click.option("--threads", "n_threads", type=int, default=None, help="CPU threads (default: llama.cpp's)."),
+        click.option("--gpu-layers", "n_gpu_layers", type=int, default=-1, show_default=True,
+                     help="Target layers to offload to Metal/CUDA (-1 = all)."),
+        click.option("--draft-gpu-layers", "draft_n_gpu_layers", type=int, default=None,
+                     help="Draft layers to offload (default: same as --gpu-layers)."),
+        click.option("--inexact", is_flag=True,
+                     help="Verify drafts in batches larger than the size measured to match the target "
+                          "bit for bit (faster on some backends; near-ties may resolve differently)."),
+        click.option("-v", "--verbose", is_flag=True, help="Show llama.cpp logs and full tracebacks."),
+    ]):
+        f = option(f)
+    return f
+
+
+def _load(model: str, draft: str, n_draft: Optional[int], n_ctx: int, n_threads: Optional[int],
+          n_gpu_layers: int, draft_n_gpu_layers: Optional[int], inexact: bool, verbose: bool):
+    from .engine import load
+    from .resolve import resolve_pair
+
+    target_path, draft_path, note = resolve_pair(model, draft)
+    if note:
+        click.echo(note, err=True)
+    settings: dict[str, Any] = dict(n_ctx=n_ctx, n_threads=n_threads, n_gpu_layers=n_gpu_layers, verbose=verbose)
+    if draft_n_gpu_layers is not None:
+        settings["draft_n_gpu_layers"] = draft_n_gpu_layers
+    kwargs = {} if n_draft is None else {"n_draft": n_draft}
+    return load(target_path, draft_path, exact=not inexact, **kwargs, **settings)
+
+
+@main.command()
+@click.argument("model", envvar="SPECLLAMA_MODEL")
+@click.argument("prompt", required=False)
+@_model_options
+@click.option("--max-tokens", type=int, default=256, show_default=True)
+@click.option("--temp", "temperature", type=float, default=0.0, show_default=True, help="0 = greedy.")
+@click.option("--top-k", type=int, default=40, show_default=True)
+@click.option("--top-p", type=float, default=0.95, show_default=True)
+@click.option("--min-p", type=float, default=0.05, show_default=True)
+@click.option("--seed", type=int, default=None)
+@click.option("--stop", multiple=True, help="Stop string (repeatable); not included in the output.")
+@click.option("--raw", is_flag=True, help="Send the prompt as is, without the model's chat template.")
+@click.option("--system", default=None, help="System message for the chat template.")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON result instead of streaming text.")
+@click.pass_context
+def run(ctx: click.Context, model: str, prompt: Optional[str], draft: str, n_draft: Optional[int], n_ctx: int,
+        n_threads: Optional[int], n_gpu_layers: int, draft_n_gpu_layers: Optional[int], inexact: bool,
+        verbose: bool, max_tokens: int, temperature: float, top_k: int, top_p: float, min_p: float,
+        seed: Optional[int], stop: tuple[str, ...], raw: bool, system: Optional[str], as_json: bool) -> None:
+    """Generate from MODEL (a .gguf path, repo id or alias), streaming text to stdout.
+
+    PROMPT comes from the argument or, if absent, from stdin. Stats go to stderr.
+    """
+    ctx.meta["specllama.verbose"] = verbose
+    if not verbose:
+        logging.basicConfig(level=logging.WARNING, format="specllama: %(message)s")
+    if prompt is None:
+        if sys.stdin.isatty():
+            raise click.UsageError("give a PROMPT argument or pipe one on stdin")
+        prompt = sys.stdin.read()
+    llm = _load(model, draft, n_draft, n_ctx, n_threads, n_gpu_layers, draft_n_gpu_layers, inexact, verbose)
+    with llm:
+        options = dict(max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
+                       min_p=min_p, seed=seed, stop=list(stop))
+        use_chat = not raw and llm.target.chat_template() is not None
+        if use_chat:
+            messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
+            stream = llm.chat_stream(messages, **options)
+        else:
+            stream = llm.stream(prompt, **options)
+        status = _StatusLine(llm) if (sys.stderr.isatty() and not as_json) else None
+        for chunk in stream:
+            if not as_json:
+                click.echo(chunk.text, nl=False)
+                sys.stdout.flush()
+            if status is not None:
+                status.update(stream, chunk)
+        result = stream.result
+        if status is not None:
+            status.clear()
+        if as_json:
+            click.echo(json.dumps({
+                "text": result.text, "tokens": result.tokens, "finish_reason": result.finish_reason,
+                "stats": result.stats.as_dict(),
+                "models": {"target": llm.target.name, "draft": llm.draft.name if llm.draft else None},
+            }))
+        else:
+            click.echo()
+            draft_name = llm.draft.name if llm.draft else "no draft"
+            click.echo(f"[{draft_name}] {result.stats.summary()}, finish: {result.finish_reason}", err=True)
+
+
+class _StatusLine:
+    """A live line on stderr: tokens, speed, acceptance, draft in use."""
+
+    def __init__(self, llm: Any):
+        self.draft = llm.draft.name if llm.draft else "no draft"
+        self.t_start = time.perf_counter()
+        self.n_tokens = 0
+        self.n_from_draft = 0
+        self.t_last = 0.0
+
+    def update(self, stream: Any, chunk: Any) -> None:
+        self.n_tokens += len(chunk.tokens)
+        self.n_from_draft += sum(chunk.from_draft)
+        now = time.perf_counter()
+        if now - self.t_last < 0.25:
+            return
+        self.t_last = now
+        rate = self.n_tokens / max(now - self.t_start, 1e-9)
+        share = self.n_from_draft / self.n_tokens if self.n_tokens else 0.0
+        # save cursor, jump to the last column's line start is not portable; use a title-free \r line
+        sys.stderr.write(f"\0337\r\n\033[2K  {self.n_tokens} tok, {rate:.1f} tok/s, {share:.0%} drafted ({self.draft})\0338")
+        sys.stderr.flush()
+
+    def clear(self) -> None:
+        sys.stderr.write("\0337\r\n\033[2K\0338")
+        sys.stderr.flush()
