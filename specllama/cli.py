@@ -57,11 +57,11 @@ def _model_options(f):
 
 def _load(model: str, draft: str, n_draft: Optional[int], n_ctx: int, n_threads: Optional[int],
           n_gpu_layers: int, draft_n_gpu_layers: Optional[int], inexact: bool, verbose: bool):
+    from .draft_select import resolve_pair
     from .engine import load
-    from .resolve import resolve_pair
 
-    target_path, draft_path, note = resolve_pair(model, draft)
-    if note:
+    target_path, draft_path, notes = resolve_pair(model, draft)
+    for note in notes:
         click.echo(note, err=True)
     settings: dict[str, Any] = dict(n_ctx=n_ctx, n_threads=n_threads, n_gpu_layers=n_gpu_layers, verbose=verbose)
     if draft_n_gpu_layers is not None:
@@ -158,3 +158,72 @@ class _StatusLine:
     def clear(self) -> None:
         sys.stderr.write("\0337\r\n\033[2K\0338")
         sys.stderr.flush()
+
+
+@main.command("draft")
+@click.argument("model", envvar="SPECLLAMA_MODEL")
+@click.option("--json", "as_json", is_flag=True, help="Print the decision as JSON.")
+@click.option("--fresh", is_flag=True, help="Ignore the cached decision and search again.")
+@click.option("--no-download", is_flag=True, help="Decide without downloading the chosen draft.")
+@click.option("-v", "--verbose", is_flag=True, help="Full tracebacks.")
+@click.pass_context
+def draft_cmd(ctx: click.Context, model: str, as_json: bool, fresh: bool, no_download: bool, verbose: bool) -> None:
+    """Show which draft auto-selection picks for MODEL, and why, without generating."""
+    from . import registry as registry_module
+    from .draft_select import select_draft
+    from .hub import Hub
+    from .resolve import resolve
+
+    ctx.meta["specllama.verbose"] = verbose
+    hub, registry = Hub.from_env(), registry_module.load()
+    target = resolve(model, hub, registry)
+    decision = select_draft(target.path, hub, registry, repo_id=target.repo_id, filename=target.filename,
+                            revision=target.revision, use_cache=not fresh, download=not no_download)
+    if as_json:
+        click.echo(json.dumps(decision.as_dict(), indent=1, default=str))
+        return
+    fp = decision.fingerprint
+    click.echo(f"target: {decision.target}")
+    click.echo(f"  {fp.basename} {fp.size_label} {fp.finetune} ({fp.architecture}), tokenizer {fp.tokenizer}/"
+               f"{fp.tokenizer_pre}, {fp.n_vocab} tokens, vocab hash {fp.vocab_hash}")
+    if decision.from_cache:
+        click.echo("cached decision (run with --fresh to search again)")
+    for i, c in enumerate(decision.candidates, 1):
+        ratio = "" if c.size_ratio == float("inf") else f"{c.size_ratio:.0%} of target, "
+        click.echo(f"{i:2}. [{c.source}] {c.label}: {ratio}{c.verdict}"
+                   + (f": {c.reason}" if c.reason and c.verdict != "compatible" else ""))
+    click.echo(f"header bytes fetched: {decision.header_bytes}")
+    if decision.chosen is None:
+        click.echo(f"no draft: {decision.reason}")
+    else:
+        click.echo(f"chosen: {decision.chosen.label}" + (f" -> {decision.draft_path}" if decision.draft_path else ""))
+        if decision.warning:
+            click.echo(f"warning: {decision.warning}")
+
+
+@main.command("models")
+@click.option("--json", "as_json", is_flag=True)
+def models_cmd(as_json: bool) -> None:
+    """List models.toml aliases and draft pairs (shipped + user file), and which are cached."""
+    from . import registry as registry_module
+    from .hub import Hub
+
+    registry = registry_module.load()
+    cached = {repo for repo, _, _ in Hub.from_env().cached_ggufs()}
+    if as_json:
+        data = registry_module.as_dict(registry)
+        data["cached_repos"] = sorted(cached)
+        click.echo(json.dumps(data, indent=1))
+        return
+    click.echo("files: " + ", ".join(registry.sources))
+    click.echo("aliases:")
+    for name, ref in registry.aliases.items():
+        mark = " (cached)" if ref.split(":")[0] in cached else ""
+        click.echo(f"  {name:32} {ref}{mark}")
+    click.echo("draft pairs:")
+    for pair in registry.pairs:
+        mark = "verified" if pair.verified else "not verified offline"
+        draft_mark = " (cached)" if pair.draft.split(":")[0] in cached else ""
+        click.echo(f"  {pair.family}: draft {pair.draft}{draft_mark} [{mark}]")
+        for t in pair.targets:
+            click.echo(f"      target {t}" + (" (cached)" if t in cached else ""))

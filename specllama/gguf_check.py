@@ -30,11 +30,18 @@ _MAX_DIMS = 4
 
 
 class NeedMoreBytes(Exception):
-    """The buffer ends inside the header; `n_bytes` is the size that would hold the next read."""
+    """The buffer ends inside the header; `n_bytes` is the size that would hold the next read.
 
-    def __init__(self, n_bytes: int):
+    `partial` holds the metadata parsed so far, and `array_lengths` the declared lengths of
+    arrays already started, so a caller can often decide (reject a draft) without reading on.
+    """
+
+    def __init__(self, n_bytes: int, partial: dict[str, Any] | None = None,
+                 array_lengths: dict[str, int] | None = None):
         super().__init__(n_bytes)
         self.n_bytes = n_bytes
+        self.partial = partial or {}
+        self.array_lengths = array_lengths or {}
 
 
 @dataclass
@@ -52,6 +59,7 @@ class GGUFHeader:
     fields: dict[str, Any]
     tensors: list[TensorInfo] = field(default_factory=list)
     data_offset: int = 0
+    metadata_end: int = 0
 
     @property
     def data_end(self) -> int:
@@ -87,13 +95,15 @@ class _OutOfFile(Exception):
         self.pos = pos
 
 
-def _value(cur: _Cursor, vtype: int, depth: int = 0) -> Any:
+def _value(cur: _Cursor, vtype: int, on_array: Any = None) -> Any:
     if vtype == GGUFValueType.STRING:
         return cur.string()
     if vtype in _SCALARS:
         return cur.unpack(_SCALARS[vtype])
-    if vtype == GGUFValueType.ARRAY and depth == 0:
+    if vtype == GGUFValueType.ARRAY:
         item_type, n = cur.unpack("<I"), cur.unpack("<Q")
+        if on_array is not None:
+            on_array(n)
         if item_type in _SCALARS:
             size = struct.calcsize(_SCALARS[item_type])
             start = cur.take(n * size)
@@ -104,14 +114,26 @@ def _value(cur: _Cursor, vtype: int, depth: int = 0) -> Any:
     raise ValueError(f"unknown value type {vtype}")
 
 
-def parse(buf: Any, file_size: int) -> GGUFHeader:
+def parse(buf: Any, file_size: int, *, metadata_only: bool = False) -> GGUFHeader:
     """Parse the header held in buf (a prefix of a file of file_size bytes).
 
+    Args:
+        metadata_only: stop after the key-value metadata (skip the tensor table).
     Raises:
         NeedMoreBytes: buf ends before the header does.
         ValueError: the header is malformed; the message says where.
     """
     cur = _Cursor(buf, file_size)
+    fields: dict[str, Any] = {}
+    array_lengths: dict[str, int] = {}
+    try:
+        return _parse(cur, file_size, fields, array_lengths, metadata_only)
+    except NeedMoreBytes as e:
+        raise NeedMoreBytes(e.n_bytes, fields, array_lengths) from None
+
+
+def _parse(cur: _Cursor, file_size: int, fields: dict[str, Any], array_lengths: dict[str, int],
+           metadata_only: bool) -> GGUFHeader:
     try:
         magic = cur.unpack("<I")
         if magic != GGUF_MAGIC:
@@ -123,14 +145,16 @@ def parse(buf: Any, file_size: int) -> GGUFHeader:
         # every tensor info and key-value pair takes at least 8 bytes
         if (n_tensors + n_kv) * 8 > file_size:
             raise ValueError(f"it claims {n_tensors} tensors and {n_kv} metadata entries, more than the file can hold")
-        fields: dict[str, Any] = {}
         for i in range(n_kv):
             key = cur.string()
             try:
-                fields[key] = _value(cur, cur.unpack("<I"))
+                fields[key] = _value(cur, cur.unpack("<I"), lambda n, key=key: array_lengths.__setitem__(key, n))
             except ValueError as e:
                 raise ValueError(f"metadata entry {i} ({key!r}): {e}") from None
         header = GGUFHeader(version, fields)
+        header.metadata_end = cur.pos
+        if metadata_only:
+            return header
         for i in range(n_tensors):
             name = cur.string()
             n_dims = cur.unpack("<I")
