@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from collections.abc import Iterator, Sequence
@@ -285,8 +286,9 @@ def load(target: Any, draft: Any = None, *, n_draft: int = 4, exact: bool = True
     """Load a target model and an optional draft of the same family.
 
     Args:
-        target: path of a GGUF file, or a llama_cpp.Llama you built (its settings are kept).
-        draft: the same kinds, or None for plain decoding.
+        target: a GGUF path, a Hub repo id ("Qwen/Qwen2.5-Coder-7B-Instruct-GGUF:q4_k_m"), a
+            models.toml alias, or a llama_cpp.Llama you built (its settings are kept).
+        draft: the same kinds, "auto" to find a same-family draft, or None for plain decoding.
         n_draft: tokens drafted per round (0..32).
         exact: keep every verify pass within the batch size measured (once, then cached) to
             give bitwise the target's single-token logits, so greedy output is identical to
@@ -304,14 +306,25 @@ def load(target: Any, draft: Any = None, *, n_draft: int = 4, exact: bool = True
         if key not in _SETTING_NAMES:
             raise TypeError(f"load() got an unknown setting {key!r}; known: {', '.join(sorted(_SETTING_NAMES))}")
     _check_n_draft(n_draft)
-    target_rt = open_runtime(target, ModelSettings(**target_kw))
+    target_settings, draft_settings = ModelSettings(**target_kw), ModelSettings(**draft_kw)
+    if _is_ref(target) and (draft is None or _is_ref(draft)):
+        from .draft_select import resolve_pair
+
+        target, draft, notes = resolve_pair(str(target), None if draft is None else str(draft))
+        for note in notes:
+            log.info(note)
+    target_rt = open_runtime(target, target_settings)
     draft_rt = None
     try:
         if draft is not None:
-            draft_rt = open_runtime(draft, ModelSettings(**draft_kw))
+            draft_rt = open_runtime(draft, draft_settings)
         return SpecLlama(target_rt, draft_rt, n_draft=n_draft, exact=exact)
     except BaseException:
         if draft_rt is not None:
             draft_rt.close()
         target_rt.close()
         raise
+
+
+def _is_ref(model: Any) -> bool:
+    return isinstance(model, (str, os.PathLike))

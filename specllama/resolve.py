@@ -80,7 +80,7 @@ def choose_file(repo_id: str, files: dict[str, int], selector: Optional[str],
         wanted = selector.lower().replace("-", "_")
         if wanted in by_quant:
             return by_quant[wanted], ""
-        raise HubError(f"{repo_id} has no {selector} file; quants there: "
+        raise HubError(f"{repo_id} has no {selector.upper()} file; quants there: "
                        f"{', '.join(q.upper() for q in sorted(by_quant) if q)}")
     for quant in preference:
         if quant in by_quant:
