@@ -10,10 +10,13 @@ from __future__ import annotations
 
 import json
 import logging
+import time
+from typing import Optional
 
 import numpy as np
 
 from . import paths
+from .controller import Costs
 from .runtime import Runtime
 
 log = logging.getLogger("specllama")
@@ -78,3 +81,53 @@ def invariant_batch_size(target: Runtime, max_batch: int) -> int:
              target.name, batch)
     _store(key, {"batch": batch})
     return batch
+
+
+VERIFY_SIZES = (1, 2, 3, 4, 5, 6, 8, 12, 16)
+
+
+def _time_decode(runtime: Runtime, n_context: int, tokens: list[int], n: int, repeats: int) -> float:
+    best = float("inf")
+    for _ in range(repeats):
+        runtime.truncate(n_context)
+        t0 = time.perf_counter()
+        runtime.decode(tokens[:n], n_logits=n)
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def measure_costs(target: Runtime, draft: Optional[Runtime], max_verify: int = 16, repeats: int = 2) -> Costs:
+    """Time the target's decode of n = 1..max_verify tokens and the draft's single-token decode.
+
+    Uses the fastest of `repeats` runs (the least disturbed by other work). Clears both caches.
+    """
+    tokens = target.tokenize(PROBE_TEXT, add_special=False)
+    while len(tokens) < 64 + max_verify:
+        tokens = tokens + tokens
+    context, probe = tokens[:64], tokens[64:64 + max_verify]
+    target.truncate(0)
+    target.decode(context)
+    _time_decode(target, 64, probe, 1, 1)  # warm-up
+    sizes = [n for n in VERIFY_SIZES if n <= max_verify]
+    measured = {n: _time_decode(target, 64, probe, n, repeats) for n in sizes}
+    verify = tuple(float(np.interp(n, sizes, [measured[s] for s in sizes])) for n in range(1, max_verify + 1))
+    target.truncate(0)
+    draft_token = 0.0
+    if draft is not None:
+        draft.truncate(0)
+        draft.decode(context)
+        _time_decode(draft, 64, probe, 1, 1)
+        draft_token = _time_decode(draft, 64, probe, 1, max(3, repeats))
+        draft.truncate(0)
+    return Costs(verify, draft_token)
+
+
+def costs(target: Runtime, draft: Optional[Runtime], max_verify: int = 16) -> Costs:
+    """measure_costs, cached per target and draft identity."""
+    key = f"costs|{target.identity}|{draft.identity if draft is not None else '-'}|{max_verify}"
+    cached = _load(key)
+    if cached is not None:
+        return Costs(tuple(cached["verify"]), cached["draft_token"])
+    result = measure_costs(target, draft, max_verify)
+    _store(key, {"verify": list(result.verify), "draft_token": result.draft_token})
+    return result

@@ -9,7 +9,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Optional
 
 import numpy as np
 
@@ -34,10 +34,12 @@ def generate_steps(
     sampling: SamplingSettings,
     rng: np.random.Generator,
     prompt: Sequence[int],
-    n_draft: int,
+    policy: Any,
     stats: Stats,
 ) -> Iterator[Step]:
     """Yield the accepted tokens round by round, forever or until the context is full.
+
+    policy decides the draft length of each round (FixedDraft or AdaptiveDraft).
 
     The target's KV cache always holds tokens[:-1]: the newest token is fed as the first
     row of the next verify batch.
@@ -48,7 +50,7 @@ def generate_steps(
     # run of the target alone, and llama.cpp's logits depend on batch shape.
     target.truncate(0)
     target.sync(tokens)
-    if proposer is not None and n_draft > 0:
+    if proposer is not None:
         proposer.prefill(tokens)
     n_accepted, next_token = _verify(target, EMPTY, sampling, rng)
     stats.t_prefill = time.perf_counter() - t_start
@@ -56,12 +58,12 @@ def generate_steps(
     yield Step([next_token], 0)
     try:
         while len(tokens) <= target.n_ctx:
-            # 1. propose up to n_draft tokens, as many as the context has room to verify
-            n_room = target.n_ctx - len(tokens)
+            # 1. propose as many tokens as the policy wants and the context has room to verify
             t0 = time.perf_counter()
+            n_draft = policy.choose(target.n_ctx - len(tokens)) if proposer is not None else 0
             proposal = EMPTY
-            if proposer is not None and min(n_draft, n_room) > 0:
-                proposal = proposer.propose(tokens, min(n_draft, n_room), sampling, rng)
+            if n_draft > 0:
+                proposal = proposer.propose(tokens, n_draft, sampling, rng, policy.early_stop)
             t1 = time.perf_counter()
             # 2. verify: one target pass over [newest token, x_1..x_k], logits for all k+1 rows
             n_past = len(tokens) - 1
@@ -76,6 +78,8 @@ def generate_steps(
             stats.t_draft += t1 - t0
             stats.t_verify += t2 - t1
             stats.record_round(len(proposal.tokens), n_accepted)
+            if n_draft > 0:
+                policy.observe(len(proposal.tokens), n_accepted)
             yield Step(new, n_accepted)
     finally:
         # interrupted between verify and rollback: drop the unverified rows

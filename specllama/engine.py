@@ -13,11 +13,12 @@ from typing import Any, Optional, Union
 
 import numpy as np
 
-from .calibrate import invariant_batch_size
+from .calibrate import costs as measured_costs, invariant_batch_size
 from .compat import VocabInfo, check_compatible
 from .decode import generate_steps
 from .errors import BusyError, EmptyPromptError, InvalidParameterError, PromptTooLongError
-from .proposers import DraftModelProposer
+from .controller import AdaptiveDraft, FixedDraft
+from .proposers import CombinedProposer, DraftModelProposer, PromptLookupProposer
 from .runtime import ModelSettings, Runtime, open_runtime
 from .sampling import SamplingSettings
 from .stats import Stats
@@ -27,6 +28,7 @@ log = logging.getLogger("specllama")
 
 Prompt = Union[str, Sequence[int]]
 MAX_N_DRAFT = 32
+MAX_AUTO_DRAFT = 16  # the controller's longest draft; costs are measured up to this
 
 
 @dataclass(frozen=True)
@@ -79,7 +81,7 @@ class _Request:
     max_tokens: int
     seed: Optional[int]
     stop: tuple[str, ...]
-    n_draft: int
+    n_draft: Union[int, str]
 
 
 class SpecLlama:
@@ -89,26 +91,40 @@ class SpecLlama:
     distribution. Build it with specllama.load().
     """
 
-    def __init__(self, target: Runtime, draft: Optional[Runtime] = None, *, n_draft: int = 4,
-                 exact: bool = True):
+    def __init__(self, target: Runtime, draft: Optional[Runtime] = None, *, n_draft: Union[int, str] = "auto",
+                 exact: bool = True, lookup: bool = False):
         self.target = target
         self.draft = draft
         self.n_draft = _check_n_draft(n_draft)
         if not isinstance(exact, bool):
             raise InvalidParameterError("exact", exact, "True or False")
+        if not isinstance(lookup, bool):
+            raise InvalidParameterError("lookup", lookup, "True or False")
         self.exact = exact
+        self.lookup = lookup
         self._lock = threading.Lock()
+        self._costs = None
         # Longest draft whose verify pass is bitwise the target's own single-token decoding.
         self.max_exact_draft = MAX_N_DRAFT
         if draft is not None:
             check_compatible(_vocab_info(target), _vocab_info(draft))
-            if exact:
-                self.max_exact_draft = invariant_batch_size(target, MAX_N_DRAFT + 1) - 1
-                if self.max_exact_draft < self.n_draft:
-                    log.info(
-                        "%s computes different logits for verify batches over %d tokens on this backend; "
-                        "drafting at most %d tokens a round so output stays identical (exact=False lifts this)",
-                        target.name, self.max_exact_draft + 1, self.max_exact_draft)
+        if self.speculates and exact:
+            self.max_exact_draft = invariant_batch_size(target, MAX_N_DRAFT + 1) - 1
+            if self.max_exact_draft < MAX_AUTO_DRAFT:
+                log.info("%s computes different logits for verify batches over %d tokens on this backend; "
+                         "drafting at most %d tokens a round so output stays identical (exact=False lifts this)",
+                         target.name, self.max_exact_draft + 1, self.max_exact_draft)
+
+    @property
+    def speculates(self) -> bool:
+        """Whether anything proposes tokens (a draft model or prompt lookup)."""
+        return self.draft is not None or self.lookup
+
+    def costs(self):
+        """Measured target verify costs and draft cost per token (cached per machine)."""
+        if self._costs is None:
+            self._costs = measured_costs(self.target, self.draft, MAX_AUTO_DRAFT + 1)
+        return self._costs
 
     # --- public API --------------------------------------------------------------------------
 
@@ -121,7 +137,7 @@ class SpecLlama:
             temperature, top_k, top_p, min_p: sampling settings; temperature 0 is greedy.
             seed: seed of the numpy Generator used for sampling (same seed, same output).
             stop: a string or strings that end generation; they are not included in the text.
-            n_draft: tokens drafted per round (default: the value given to load; 0 = no drafting).
+            n_draft: tokens drafted per round, or "auto" (default: the value given to load).
         Returns:
             Result with text, tokens, finish_reason and stats.
         """
@@ -201,7 +217,8 @@ class SpecLlama:
 
     def _request(self, prompt: list[int], *, max_tokens: int = 256, temperature: float = 0.0,
                  top_k: int = 40, top_p: float = 0.95, min_p: float = 0.05, seed: Optional[int] = None,
-                 stop: Union[None, str, Sequence[str]] = None, n_draft: Optional[int] = None) -> _Request:
+                 stop: Union[None, str, Sequence[str]] = None,
+                 n_draft: Union[None, int, str] = None) -> _Request:
         if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
             raise InvalidParameterError("max_tokens", max_tokens, "an integer >= 1")
         if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or seed < 0):
@@ -211,9 +228,21 @@ class SpecLlama:
             raise InvalidParameterError("stop", stop, "a non-empty string or a list of non-empty strings")
         sampling = SamplingSettings(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p)
         n_draft = self.n_draft if n_draft is None else _check_n_draft(n_draft)
-        if self.exact:
-            n_draft = min(n_draft, self.max_exact_draft)
         return _Request(prompt, sampling, max_tokens, seed, stops, n_draft)
+
+    def _policy(self, n_draft: Union[int, str]) -> Any:
+        limit = self.max_exact_draft if self.exact else MAX_N_DRAFT
+        if n_draft == "auto":
+            if self.draft is None:  # prompt lookup costs nothing to try: start optimistic, retry soon
+                return AdaptiveDraft(self.costs(), min(limit, MAX_AUTO_DRAFT), prior=0.8, probe_every=2)
+            return AdaptiveDraft(self.costs(), min(limit, MAX_AUTO_DRAFT))
+        return FixedDraft(min(n_draft, limit))
+
+    def _proposer(self) -> Any:
+        if self.draft is None:
+            return PromptLookupProposer() if self.lookup else None
+        model = DraftModelProposer(self.draft)
+        return CombinedProposer(model, PromptLookupProposer()) if self.lookup else model
 
     @contextmanager
     def _exclusive(self) -> Iterator[None]:
@@ -226,15 +255,18 @@ class SpecLlama:
             self._lock.release()
 
     def _run(self, req: _Request, stream: Stream) -> Iterator[Chunk]:
-        stats = Stats(n_prompt=len(req.prompt), n_draft_max=req.n_draft if self.draft is not None else 0)
+        proposer = self._proposer()
+        policy = self._policy(req.n_draft) if proposer is not None else FixedDraft(0)
+        if policy.hopeless:  # no draft length can beat plain decoding here: skip the draft entirely
+            proposer = None
+        stats = Stats(n_prompt=len(req.prompt), n_draft_max=getattr(policy, "k", getattr(policy, "k_limit", 0)))
         tokens: list[int] = []
         texts: list[str] = []
         finish = "cancelled"
         t_start = time.perf_counter()
         with self._exclusive():
-            proposer = DraftModelProposer(self.draft) if self.draft is not None else None
             steps = generate_steps(self.target, proposer, req.sampling, np.random.default_rng(req.seed),
-                                   req.prompt, req.n_draft, stats)
+                                   req.prompt, policy, stats)
             detokenizer, matcher = Detokenizer(), StopMatcher(req.stop)
             try:
                 finish = "length"  # running out of context also ends here
@@ -267,9 +299,12 @@ class SpecLlama:
                 stream.result = Result("".join(texts), tokens, finish, stats)
 
 
-def _check_n_draft(n_draft: Any) -> int:
+def _check_n_draft(n_draft: Any) -> Union[int, str]:
+    if n_draft == "auto":
+        return n_draft
     if isinstance(n_draft, bool) or not isinstance(n_draft, int) or not 0 <= n_draft <= MAX_N_DRAFT:
-        raise InvalidParameterError("n_draft", n_draft, f"an integer in 0..{MAX_N_DRAFT} (0 = no drafting)")
+        raise InvalidParameterError("n_draft", n_draft,
+                                    f'"auto" or an integer in 0..{MAX_N_DRAFT} (0 = no drafting)')
     return n_draft
 
 
@@ -281,15 +316,20 @@ def _vocab_info(runtime: Runtime) -> VocabInfo:
 _SETTING_NAMES = {f.name for f in fields(ModelSettings)}
 
 
-def load(target: Any, draft: Any = None, *, n_draft: int = 4, exact: bool = True,
-         **model_settings: Any) -> SpecLlama:
+def load(target: Any, draft: Any = None, *, n_draft: Union[int, str] = "auto", exact: bool = True,
+         lookup: bool = False, **model_settings: Any) -> SpecLlama:
     """Load a target model and an optional draft of the same family.
 
     Args:
         target: a GGUF path, a Hub repo id ("Qwen/Qwen2.5-Coder-7B-Instruct-GGUF:q4_k_m"), a
             models.toml alias, or a llama_cpp.Llama you built (its settings are kept).
-        draft: the same kinds, "auto" to find a same-family draft, or None for plain decoding.
-        n_draft: tokens drafted per round (0..32).
+        draft: the same kinds, "auto" to find a same-family draft, "ngram" for prompt lookup
+            alone (no second model), or None for plain decoding.
+        n_draft: "auto" (default: each round drafts as far as the measured costs and the
+            acceptance so far say pays, and not at all when nothing beats plain decoding), or
+            a fixed number of tokens per round (0..32).
+        lookup: also propose by prompt lookup (n-grams of prompt + output) when it has a long
+            match, falling back to the draft model.
         exact: keep every verify pass within the batch size measured (once, then cached) to
             give bitwise the target's single-token logits, so greedy output is identical to
             the target alone. False drafts n_draft regardless; output may then differ where
@@ -306,6 +346,8 @@ def load(target: Any, draft: Any = None, *, n_draft: int = 4, exact: bool = True
         if key not in _SETTING_NAMES:
             raise TypeError(f"load() got an unknown setting {key!r}; known: {', '.join(sorted(_SETTING_NAMES))}")
     _check_n_draft(n_draft)
+    if draft == "ngram":
+        draft, lookup = None, True
     target_settings, draft_settings = ModelSettings(**target_kw), ModelSettings(**draft_kw)
     if _is_ref(target) and (draft is None or _is_ref(draft)):
         from .draft_select import resolve_pair
@@ -318,7 +360,7 @@ def load(target: Any, draft: Any = None, *, n_draft: int = 4, exact: bool = True
     try:
         if draft is not None:
             draft_rt = open_runtime(draft, draft_settings)
-        return SpecLlama(target_rt, draft_rt, n_draft=n_draft, exact=exact)
+        return SpecLlama(target_rt, draft_rt, n_draft=n_draft, exact=exact, lookup=lookup)
     except BaseException:
         if draft_rt is not None:
             draft_rt.close()

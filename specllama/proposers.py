@@ -26,8 +26,12 @@ class Proposer(Protocol):
         """See the prompt before the first round (its time counts as prefill)."""
 
     def propose(self, tokens: Sequence[int], n_draft: int, sampling: SamplingSettings,
-                rng: np.random.Generator) -> Proposal:
-        """Propose up to n_draft tokens to follow tokens (prompt + everything accepted)."""
+                rng: np.random.Generator, early_stop: float = 0.0) -> Proposal:
+        """Propose up to n_draft tokens to follow tokens (prompt + everything accepted).
+
+        early_stop: stop drafting once the proposer's own probability of its next token is
+        below this (0 = always draft n_draft).
+        """
 
 
 class DraftModelProposer:
@@ -46,7 +50,7 @@ class DraftModelProposer:
             self.draft.sync(tokens)
 
     def propose(self, tokens: Sequence[int], n_draft: int, sampling: SamplingSettings,
-                rng: np.random.Generator) -> Proposal:
+                rng: np.random.Generator, early_stop: float = 0.0) -> Proposal:
         n_draft = min(n_draft, self.draft.n_ctx - len(tokens) + 1)
         if n_draft <= 0:
             return EMPTY
@@ -57,11 +61,89 @@ class DraftModelProposer:
             row = self.draft.logits(0)
             if sampling.greedy:
                 x = greedy(row)
+                confident = early_stop <= 0 or _top_probability(row) >= early_stop
             else:
                 q_i = distribution(row, sampling)
                 x = sample(q_i, rng)
                 q.append(q_i)
+                confident = early_stop <= 0 or q_i.prob(x) >= early_stop
+            if not confident and drafted:
+                break  # keep at least one token: a round with no draft is plain decoding
             drafted.append(x)
+            if not confident:
+                break
             if i + 1 < n_draft:
                 self.draft.decode([x])
         return Proposal(drafted, q or None)
+
+
+def _top_probability(row: np.ndarray) -> float:
+    m = row.max()
+    return float(1.0 / np.exp(row - m).sum())
+
+
+class PromptLookupProposer:
+    """Prompt lookup: propose what followed the latest earlier occurrence of the last n tokens.
+
+    Free (no model, no memory) and strong when the output copies the input: edits, extraction,
+    code that repeats names. Longer matches are tried first. Proposals are deterministic, so
+    sampling verifies them with the sample-and-compare rule (q one-hot).
+    """
+
+    def __init__(self, n_min: int = 2, n_max: int = 4):
+        self.n_min, self.n_max = n_min, n_max
+        self._index: dict[tuple[int, ...], int] = {}  # n-gram -> end of its latest occurrence
+        self._tokens: list[int] = []
+        self.last_match = 0  # length of the n-gram behind the last proposal (0: none)
+
+    def prefill(self, tokens: Sequence[int]) -> None:
+        self._index.clear()
+        self._tokens = []
+        self._extend(tokens)
+
+    def _extend(self, tokens: Sequence[int]) -> None:
+        n_old = len(self._tokens)
+        if tokens[:n_old] != self._tokens:  # a different sequence: index from scratch
+            self._index.clear()
+            n_old = 0
+        self._tokens = list(tokens)
+        # index every n-gram that is followed by at least one token
+        for end in range(max(n_old, self.n_min), len(tokens)):
+            for n in range(self.n_min, min(self.n_max, end) + 1):
+                self._index[tuple(tokens[end - n:end])] = end
+
+    def match(self, tokens: Sequence[int]) -> tuple[int, int]:
+        """(n-gram length, start of the continuation) of the longest match, or (0, 0)."""
+        self._extend(tokens)
+        for n in range(min(self.n_max, len(tokens)), self.n_min - 1, -1):
+            end = self._index.get(tuple(tokens[len(tokens) - n:]))
+            if end is not None:
+                return n, end
+        return 0, 0
+
+    def propose(self, tokens: Sequence[int], n_draft: int, sampling: SamplingSettings,
+                rng: np.random.Generator, early_stop: float = 0.0) -> Proposal:
+        n, start = self.match(tokens)
+        self.last_match = n
+        if n == 0:
+            return EMPTY
+        drafted = list(tokens[start:start + n_draft])
+        return Proposal(drafted, None)
+
+
+class CombinedProposer:
+    """Prompt lookup when it has a long match, the draft model otherwise."""
+
+    def __init__(self, draft: DraftModelProposer, lookup: PromptLookupProposer, min_match: int = 3):
+        self.draft, self.lookup, self.min_match = draft, lookup, min_match
+
+    def prefill(self, tokens: Sequence[int]) -> None:
+        self.draft.prefill(tokens)
+        self.lookup.prefill(tokens)
+
+    def propose(self, tokens: Sequence[int], n_draft: int, sampling: SamplingSettings,
+                rng: np.random.Generator, early_stop: float = 0.0) -> Proposal:
+        n, start = self.lookup.match(tokens)
+        if n >= self.min_match and len(tokens) - start >= 2:
+            return Proposal(list(tokens[start:start + n_draft]), None)
+        return self.draft.propose(tokens, n_draft, sampling, rng, early_stop)

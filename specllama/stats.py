@@ -11,6 +11,7 @@ class Stats:
 
     n_prompt: int = 0
     n_draft_max: int = 0  # the most tokens a round could draft (after the exact-mode cap)
+    n_plain_rounds: int = 0  # rounds that drafted nothing (the controller found no gain)
     n_generated: int = 0
     n_rounds: int = 0  # target verify passes after the prompt (plain decoding: one per token)
     n_drafted: int = 0
@@ -24,6 +25,7 @@ class Stats:
 
     def record_round(self, n_drafted: int, n_accepted: int) -> None:
         self.n_rounds += 1
+        self.n_plain_rounds += n_drafted == 0
         self.n_drafted += n_drafted
         self.n_accepted += n_accepted
         for counts, n in ((self.drafted_at, n_drafted), (self.accepted_at, n_accepted)):

@@ -1,0 +1,33 @@
+"""Benchmark workloads: chat prompts whose answers range from predictable to open."""
+
+EDIT_SOURCE = '''def summarize(records):
+    totals = {}
+    counts = {}
+    for record in records:
+        key = record["region"]
+        totals[key] = totals.get(key, 0) + record["amount"]
+        counts[key] = counts.get(key, 0) + 1
+    result = []
+    for key in sorted(totals):
+        average = totals[key] / counts[key]
+        result.append({"region": key, "total": totals[key], "average": average})
+    return result
+
+
+def top_regions(records, n=3):
+    summary = summarize(records)
+    summary.sort(key=lambda item: item["total"], reverse=True)
+    return [item["region"] for item in summary[:n]]
+'''
+
+WORKLOADS = {
+    "code": "Write a Python class implementing a binary search tree with insert, search and delete "
+            "methods, with docstrings.",
+    "prose": "Write a short story about a lighthouse keeper who finds a message in a bottle.",
+    "edit": "Rewrite this code, renaming the parameter `records` to `rows` everywhere. Output only the "
+            "code.\n\n```python\n" + EDIT_SOURCE + "```",
+    "json": "Extract every person as a JSON list of objects with keys name, age, city, job.\n\n"
+            "Maria Gonzalez, 34, is a nurse in Lisbon. Her brother Tomas, 29, drives trams in Porto. "
+            "Their friend Aiko Tanaka, 41, teaches physics in Osaka, and Aiko's neighbour Lars Berg, "
+            "52, repairs boats in Bergen.",
+}
