@@ -42,3 +42,36 @@ def test_rejections_happened(pair, baseline):
     r = pair.generate(tokens_of(pair, PROSE), max_tokens=N_TOKENS, n_draft=8)
     assert r.stats.n_accepted < r.stats.n_drafted
     assert r.tokens == baseline["prose"].tokens
+
+
+@pytest.fixture(scope="module")
+def lookup_pair(model_paths):
+    import specllama
+    from conftest import SETTINGS
+
+    with specllama.load(model_paths["target"], model_paths["draft"], lookup=True, **SETTINGS) as llm:
+        yield llm
+
+
+@pytest.fixture(scope="module")
+def ngram(model_paths):
+    import specllama
+    from conftest import SETTINGS
+
+    with specllama.load(model_paths["target"], "ngram", **SETTINGS) as llm:
+        yield llm
+
+
+@pytest.mark.parametrize("name", ["code", "list", "chat"])
+@pytest.mark.parametrize("config", ["auto", "ngram", "ngram+draft"])
+def test_identity_with_auto_and_lookup(pair, ngram, lookup_pair, baseline, name, config):
+    llm, n_draft = {"auto": (pair, "auto"), "ngram": (ngram, "auto"), "ngram+draft": (lookup_pair, 2)}[config]
+    got = llm.generate(tokens_of(llm, PROMPTS[name]), max_tokens=N_TOKENS, n_draft=n_draft)
+    assert got.tokens == baseline[name].tokens
+
+
+def test_lookup_proposals_were_verified(ngram, baseline):
+    """The repetitive list gives prompt lookup matches, so identity above was really tested."""
+    got = ngram.generate(tokens_of(ngram, PROMPTS["list"]), max_tokens=N_TOKENS, n_draft=2)
+    assert got.stats.n_drafted > 5
+    assert got.tokens == baseline["list"].tokens

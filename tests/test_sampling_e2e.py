@@ -49,3 +49,15 @@ def test_first_speculated_token_has_the_target_distribution(pair, plain):
     stat, df = chi2_stat(observed, p.probs)
     assert stat < chi2_critical(df), (stat, df, observed, p.probs)
     assert len(second) > 120 and n_rejections > 20, (len(second), n_rejections)
+
+
+def test_lookup_sampling_is_reproducible_and_uses_the_match_rule(model_paths):
+    import specllama
+    from conftest import SETTINGS
+
+    with specllama.load(model_paths["target"], "ngram", **SETTINGS) as llm:
+        prompt = "a b c d e f a b c d e f a b c d e f a b"
+        a = llm.generate(prompt, max_tokens=24, temperature=0.7, seed=5, n_draft=3)
+        b = llm.generate(prompt, max_tokens=24, temperature=0.7, seed=5, n_draft=3)
+        assert a.tokens == b.tokens
+        assert a.stats.n_drafted > 0 and a.stats.n_accepted > 0
