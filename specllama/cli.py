@@ -39,7 +39,7 @@ def _model_options(f):
     for option in reversed([
         click.option("--draft", "draft", default="auto", envvar="SPECLLAMA_DRAFT", show_default=True,
                      help="Draft model: auto, none, or a .gguf path / repo id / alias."),
-        click.option("--n-draft", type=int, default=None, help="Tokens drafted per round (default 4)."),
+        click.option("--n-draft", default=None, help="Tokens drafted per round, or auto (default)."),
         click.option("--ctx", "n_ctx", type=int, default=4096, show_default=True, help="Context size in tokens."),
         click.option("--threads", "n_threads", type=int, default=None, help="CPU threads (default: llama.cpp's)."),
         click.option("--gpu-layers", "n_gpu_layers", type=int, default=-1, show_default=True,
@@ -66,7 +66,7 @@ def _load(model: str, draft: str, n_draft: Optional[int], n_ctx: int, n_threads:
     settings: dict[str, Any] = dict(n_ctx=n_ctx, n_threads=n_threads, n_gpu_layers=n_gpu_layers, verbose=verbose)
     if draft_n_gpu_layers is not None:
         settings["draft_n_gpu_layers"] = draft_n_gpu_layers
-    kwargs = {} if n_draft is None else {"n_draft": n_draft}
+    kwargs = {} if n_draft is None else {"n_draft": n_draft if n_draft == "auto" else _int_option("--n-draft", n_draft)}
     return load(target_path, draft_path, exact=not inexact, **kwargs, **settings)
 
 
@@ -130,6 +130,13 @@ def run(ctx: click.Context, model: str, prompt: Optional[str], draft: str, n_dra
             click.echo()
             draft_name = llm.draft.name if llm.draft else "no draft"
             click.echo(f"[{draft_name}] {result.stats.summary()}, finish: {result.finish_reason}", err=True)
+
+
+def _int_option(name: str, value: Any) -> int:
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        raise click.BadParameter(f"{value!r} is not an integer or auto", param_hint=name) from None
 
 
 class _StatusLine:
@@ -227,3 +234,100 @@ def models_cmd(as_json: bool) -> None:
         click.echo(f"  {pair.family}: draft {pair.draft}{draft_mark} [{mark}]")
         for t in pair.targets:
             click.echo(f"      target {t}" + (" (cached)" if t in cached else ""))
+
+
+@main.command("calibrate")
+@click.argument("model", envvar="SPECLLAMA_MODEL")
+@click.option("--draft", default="auto", envvar="SPECLLAMA_DRAFT", show_default=True,
+              help="Draft model to time as well: auto, none, or a path / repo id / alias.")
+@click.option("--ctx", "n_ctx", type=int, default=4096, show_default=True)
+@click.option("--threads", "n_threads", type=int, default=None)
+@click.option("--gpu-layers", "n_gpu_layers", type=int, default=-1, show_default=True)
+@click.option("--json", "as_json", is_flag=True)
+def calibrate_cmd(model: str, draft: str, n_ctx: int, n_threads: Optional[int], n_gpu_layers: int,
+                  as_json: bool) -> None:
+    """Measure (and cache) this machine's decode costs and exact verify batch size for MODEL."""
+    from .calibrate import measure_costs, _store, invariant_batch_size
+    from .draft_select import resolve_pair
+    from .engine import MAX_AUTO_DRAFT, MAX_N_DRAFT
+    from .runtime import ModelSettings, Runtime
+
+    target_path, draft_path, notes = resolve_pair(model, draft)
+    for note in notes:
+        click.echo(note, err=True)
+    settings = ModelSettings(n_ctx=n_ctx, n_threads=n_threads, n_gpu_layers=n_gpu_layers)
+    with Runtime.load(target_path, settings) as target:
+        draft_rt = Runtime.load(draft_path, settings) if draft_path else None
+        try:
+            batch = invariant_batch_size(target, MAX_N_DRAFT + 1)
+            costs = measure_costs(target, draft_rt, MAX_AUTO_DRAFT + 1)
+            key = f"costs|{target.identity}|{draft_rt.identity if draft_rt else '-'}|{MAX_AUTO_DRAFT + 1}"
+            _store(key, {"verify": list(costs.verify), "draft_token": costs.draft_token})
+        finally:
+            if draft_rt is not None:
+                draft_rt.close()
+    if as_json:
+        click.echo(json.dumps({"exact_verify_batch": batch, "verify_seconds": list(costs.verify),
+                               "draft_token_seconds": costs.draft_token}))
+        return
+    click.echo(f"verify batches bitwise identical to one-token decoding: up to {batch} tokens "
+               f"(exact mode drafts at most {batch - 1})")
+    click.echo("target decode time by batch size: " +
+               ", ".join(f"{n}: {costs.v(n) * 1000:.0f} ms" for n in (1, 2, 3, 4, 6, 8, 12, 16)))
+    if draft_path:
+        click.echo(f"draft: {costs.draft_token * 1000:.1f} ms per token "
+                   f"({costs.draft_token / costs.v(1):.0%} of a target step)")
+
+
+@main.command("bench")
+@click.argument("model", envvar="SPECLLAMA_MODEL")
+@click.option("--prompts", "prompts_file", type=click.Path(exists=True, dir_okay=False), required=True,
+              help='JSONL file: one {"prompt": ...} or {"messages": [...]} per line.')
+@_model_options
+@click.option("--max-tokens", type=int, default=128, show_default=True)
+@click.option("--json", "as_json", is_flag=True)
+@click.pass_context
+def bench_cmd(ctx: click.Context, model: str, prompts_file: str, draft: str, n_draft: Optional[int], n_ctx: int,
+              n_threads: Optional[int], n_gpu_layers: int, draft_n_gpu_layers: Optional[int], inexact: bool,
+              verbose: bool, max_tokens: int, as_json: bool) -> None:
+    """Run your own prompts plain vs speculative (auto and fixed lengths) and recommend settings."""
+    ctx.meta["specllama.verbose"] = verbose
+    prompts = []
+    for i, line in enumerate(open(prompts_file, encoding="utf-8"), 1):
+        if not line.strip():
+            continue
+        try:
+            item = json.loads(line)
+        except ValueError as e:
+            raise click.BadParameter(f"line {i} is not JSON: {e}", param_hint="--prompts") from None
+        if not isinstance(item, dict) or not ({"prompt", "messages"} & set(item)):
+            raise click.BadParameter(f'line {i} needs a "prompt" or "messages" key', param_hint="--prompts")
+        prompts.append(item)
+    if not prompts:
+        raise click.BadParameter("the file has no prompts", param_hint="--prompts")
+    llm = _load(model, draft, n_draft, n_ctx, n_threads, n_gpu_layers, draft_n_gpu_layers, inexact, verbose)
+    configs: list[Any] = [0, "auto"] + ([2, 4, 8] if llm.speculates else [])
+    totals = {c: [0, 0.0] for c in configs}  # tokens, decode seconds
+    with llm, click.progressbar(length=len(prompts) * len(configs), label="benchmarking",
+                                file=sys.stderr) as bar:
+        for item in prompts:
+            for config in configs:
+                kwargs = dict(max_tokens=max_tokens, n_draft=config)
+                r = llm.chat(item["messages"], **kwargs) if "messages" in item else llm.generate(item["prompt"], **kwargs)
+                totals[config][0] += max(0, r.stats.n_generated - 1)
+                totals[config][1] += r.stats.t_decode
+                bar.update(1)
+    rates = {c: (n / t if t else 0.0) for c, (n, t) in totals.items()}
+    plain = rates[0] or 1e-9
+    best = max(configs, key=lambda c: rates[c])
+    rows = [{"n_draft": "plain" if c == 0 else c, "tokens_per_s": rates[c], "speedup": rates[c] / plain} for c in configs]
+    if as_json:
+        click.echo(json.dumps({"results": rows, "recommended_n_draft": best}))
+        return
+    click.echo(f"{'n_draft':>8} {'tok/s':>8} {'speedup':>8}")
+    for row in rows:
+        click.echo(f"{str(row['n_draft']):>8} {row['tokens_per_s']:8.1f} {row['speedup']:7.2f}x")
+    if best == 0:
+        click.echo("recommended: no speculation on this machine for these prompts (--draft none)")
+    else:
+        click.echo(f"recommended: --n-draft {best}")
