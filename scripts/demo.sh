@@ -5,6 +5,6 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 TARGET=$(.venv/bin/python scripts/fetch_models.py --path target)
-DRAFT=$(.venv/bin/python scripts/fetch_models.py --path draft)
+.venv/bin/python scripts/fetch_models.py draft >/dev/null  # next to the target: --draft auto finds it
 PROMPT=${PROMPT:-"Write a Python function that returns the n-th Fibonacci number, with a docstring."}
-exec .venv/bin/specllama run "$TARGET" "$PROMPT" --draft "$DRAFT" --max-tokens 128 "$@"
+exec .venv/bin/specllama run "$TARGET" "$PROMPT" --max-tokens 128 "$@"

@@ -38,7 +38,7 @@ def main() -> None:
 def _model_options(f):
     for option in reversed([
         click.option("--draft", "draft", default="auto", envvar="SPECLLAMA_DRAFT", show_default=True,
-                     help="Draft model: auto, none, or a .gguf path / repo id / alias."),
+                     help="Draft: auto, none, ngram (prompt lookup), or a .gguf path / repo id / alias."),
         click.option("--n-draft", default=None, help="Tokens drafted per round, or auto (default)."),
         click.option("--ctx", "n_ctx", type=int, default=4096, show_default=True, help="Context size in tokens."),
         click.option("--threads", "n_threads", type=int, default=None, help="CPU threads (default: llama.cpp's)."),
@@ -60,14 +60,15 @@ def _load(model: str, draft: str, n_draft: Optional[int], n_ctx: int, n_threads:
     from .draft_select import resolve_pair
     from .engine import load
 
-    target_path, draft_path, notes = resolve_pair(model, draft)
+    ngram = draft == "ngram"
+    target_path, draft_path, notes = resolve_pair(model, None if ngram else draft)
     for note in notes:
         click.echo(note, err=True)
     settings: dict[str, Any] = dict(n_ctx=n_ctx, n_threads=n_threads, n_gpu_layers=n_gpu_layers, verbose=verbose)
     if draft_n_gpu_layers is not None:
         settings["draft_n_gpu_layers"] = draft_n_gpu_layers
     kwargs = {} if n_draft is None else {"n_draft": n_draft if n_draft == "auto" else _int_option("--n-draft", n_draft)}
-    return load(target_path, draft_path, exact=not inexact, **kwargs, **settings)
+    return load(target_path, "ngram" if ngram else draft_path, exact=not inexact, **kwargs, **settings)
 
 
 @main.command()
