@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import os
 import sys
 from pathlib import Path
 
@@ -15,15 +13,8 @@ RESULTS: list[dict] = []
 SUMMARY_PATH = ROOT / ".benchmarks" / "summary.json"
 
 
-def _fetcher():
-    spec = importlib.util.spec_from_file_location("fetch_models", ROOT / "scripts" / "fetch_models.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["fetch_models"] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-fetch_models = _fetcher()
+sys.path.insert(0, str(ROOT / "scripts"))
+import fetch_models  # noqa: E402  (a script, so not importable as a package)
 
 
 @pytest.fixture(scope="session")

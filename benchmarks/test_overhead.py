@@ -7,10 +7,6 @@ and speculative rule at temperature > 0), prompt-lookup bookkeeping and stats.
 
 from __future__ import annotations
 
-import sys
-import time
-from pathlib import Path
-
 import numpy as np
 import pytest
 
@@ -18,9 +14,6 @@ from specllama.proposers import PromptLookupProposer
 from specllama.sampling import SamplingSettings, distribution, greedy
 from specllama.stats import Stats
 from specllama.verify import greedy_verify, speculative_verify
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from conftest import record  # noqa: E402
 
 N_VOCAB = 151_936
 K = 5

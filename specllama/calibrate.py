@@ -8,7 +8,6 @@ target alone when every verify pass stays within this size.
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 from typing import Optional
@@ -27,23 +26,11 @@ N_CONTEXT = 8  # tokens in the cache before the probed rows, as in a real round
 
 
 def _load(key: str) -> dict | None:
-    try:
-        return json.loads((paths.cache_dir() / "calibration.json").read_text()).get(key)
-    except (OSError, ValueError):
-        return None
+    return paths.read_cached("calibration.json", key)
 
 
 def _store(key: str, value: dict) -> None:
-    path = paths.cache_dir() / "calibration.json"
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError):
-        data = {}
-    data[key] = value
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(data, indent=1, sort_keys=True))
-    tmp.replace(path)
+    paths.write_cached("calibration.json", key, value)
 
 
 def probe_invariant_batch_size(target: Runtime, max_batch: int) -> int:

@@ -12,16 +12,14 @@
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import re
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import Optional
 
 from . import gguf_check, paths
-from .compat import (CHECK_START_TOKEN_ID, MAX_VOCAB_SIZE_DIFFERENCE, VocabInfo, early_mismatch,
-                     vocab_info_from_gguf)
+from .compat import CHECK_START_TOKEN_ID, VocabInfo, check_compatible, early_mismatch, vocab_info_from_gguf
 from .errors import IncompatibleDraftError
 from .hub import Hub, HubError
 from .registry import Registry
@@ -139,28 +137,12 @@ def _target_key(target_path: Path, repo: Optional[str], filename: Optional[str],
     return f"file|{target_path.resolve()}|{st.st_size}|{st.st_mtime_ns}"
 
 
-def _cache_file() -> Path:
-    return paths.cache_dir() / "drafts.json"
-
-
 def _cached(key: str) -> Optional[dict]:
-    try:
-        return json.loads(_cache_file().read_text()).get(key)
-    except (OSError, ValueError):
-        return None
+    return paths.read_cached("drafts.json", key)
 
 
 def _store(key: str, value: dict) -> None:
-    path = _cache_file()
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError):
-        data = {}
-    data[key] = value
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(data, indent=1))
-    tmp.replace(path)
+    paths.write_cached("drafts.json", key, value)
 
 
 def local_search_dirs(target_path: Path) -> list[Path]:
@@ -301,8 +283,6 @@ def _check(c: Candidate, target: VocabInfo, hub: Hub) -> None:
     except (HubError, gguf_check.InvalidModelFileError) as e:
         c.verdict, c.reason = "rejected", str(e)
         return
-    from .compat import check_compatible
-
     try:
         check_compatible(target, vocab_info_from_gguf(c.label, fields))
     except IncompatibleDraftError as e:

@@ -25,7 +25,7 @@ from huggingface_hub.errors import (
 from huggingface_hub.utils import build_hf_headers, get_session, hf_raise_for_status
 
 from . import gguf_check
-from .errors import ModelNotFoundError, SpecLlamaError
+from .errors import SpecLlamaError
 
 SPLIT_RE = re.compile(r"-(\d{5})-of-(\d{5})\.gguf$", re.IGNORECASE)
 FIRST_READ = 256 * 1024
@@ -217,17 +217,3 @@ class Hub:
         found = try_to_load_from_cache(repo_id, filename, cache_dir=self.cache_dir, revision=revision)
         return Path(found) if isinstance(found, str) else None
 
-
-def split_parts_ok(files: dict[str, int], filename: str) -> bool:
-    """Whether every part of a split GGUF is listed."""
-    m = SPLIT_RE.search(filename)
-    if not m:
-        return True
-    n = int(m.group(2))
-    return all(filename[:m.start()] + f"-{i:05d}-of-{n:05d}.gguf" in files for i in range(1, n + 1))
-
-
-def require(path: Path) -> Path:
-    if not path.exists():
-        raise ModelNotFoundError(f"model file not found: {path}")
-    return path

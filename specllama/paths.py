@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 from pathlib import Path
+from typing import Any, Optional
 
 
 def home() -> Path | None:
@@ -26,3 +28,25 @@ def cache_dir() -> Path:
     if sys.platform == "darwin":
         return Path.home() / "Library" / "Caches" / "specllama"
     return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "specllama"
+
+
+def read_cached(name: str, key: str) -> Optional[Any]:
+    """The entry `key` of the JSON file `name` in the cache dir, or None."""
+    try:
+        return json.loads((cache_dir() / name).read_text()).get(key)
+    except (OSError, ValueError):
+        return None
+
+
+def write_cached(name: str, key: str, value: Any) -> None:
+    """Set entry `key` of the JSON file `name` in the cache dir (atomic replace)."""
+    path = cache_dir() / name
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        data = {}
+    data[key] = value
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(data, indent=1, sort_keys=True))
+    tmp.replace(path)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import sys
 import tempfile
@@ -15,15 +14,8 @@ import specllama
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def _load_fetcher():
-    spec = importlib.util.spec_from_file_location("fetch_models", ROOT / "scripts" / "fetch_models.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["fetch_models"] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-fetch_models = _load_fetcher()
+sys.path.insert(0, str(ROOT / "scripts"))
+import fetch_models  # noqa: E402  (a script, so not importable as a package)
 
 # Calibration caches and user files go to a fresh directory, never the user's own.
 os.environ["SPECLLAMA_HOME"] = tempfile.mkdtemp(prefix="specllama-test-home-")

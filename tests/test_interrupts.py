@@ -1,0 +1,91 @@
+"""Interrupting a generation anywhere inside a round leaves both KV caches usable and exact."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+import specllama
+
+from prompts import CODE, PROSE
+
+
+class Boom(KeyboardInterrupt):
+    pass
+
+
+def interrupt_nth_call(obj, name, n, monkeypatch, before=True):
+    """Wrap a real method so its n-th call raises Boom (before or after doing its work)."""
+    real = getattr(obj, name)
+    calls = {"n": 0}
+
+    def wrapper(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == n and before:
+            raise Boom(f"{name} #{n}")
+        out = real(*args, **kwargs)
+        if calls["n"] == n:
+            raise Boom(f"after {name} #{n}")
+        return out
+
+    monkeypatch.setattr(obj, name, wrapper)
+    return calls
+
+
+@pytest.fixture(scope="module")
+def expected(plain):
+    return {p: plain.generate(p, max_tokens=40).tokens for p in (CODE, PROSE)}
+
+
+# (runtime, method, call number, before/after): drafting, verification, and between the two
+POINTS = [
+    ("draft", "decode", 3, True),   # while drafting
+    ("draft", "decode", 4, False),  # after a draft step, before the proposal returns
+    ("target", "decode", 3, True),  # before a verify pass
+    ("target", "decode", 3, False), # after a verify pass, before acceptance and rollback
+    ("target", "truncate", 4, False),  # after rollback, before the tokens are yielded
+    ("draft", "sync", 2, False),    # after the draft caught up, before it drafts
+]
+
+
+@pytest.mark.parametrize("which, method, n, before", POINTS)
+def test_interrupt_inside_a_round_then_next_generate_is_exact(pair, expected, monkeypatch, which, method, n, before):
+    runtime = getattr(pair, which)
+    interrupt_nth_call(runtime, method, n, monkeypatch, before)
+    with pytest.raises(Boom):
+        pair.generate(CODE, max_tokens=40, n_draft=2)
+    monkeypatch.undo()
+    for prompt in (CODE, PROSE):
+        assert pair.generate(prompt, max_tokens=40, n_draft=2).tokens == expected[prompt]
+
+
+def test_exception_in_the_consumer_then_exact(pair, expected):
+    stream = pair.stream(PROSE, max_tokens=40, n_draft=2)
+    with pytest.raises(ZeroDivisionError):
+        for i, _ in enumerate(stream):
+            if i == 5:
+                1 / 0
+    stream.close()
+    assert pair.generate(PROSE, max_tokens=40, n_draft=2).tokens == expected[PROSE]
+
+
+def test_two_threads_never_interleave(pair, expected):
+    results, errors = [], []
+    start = threading.Barrier(2)
+
+    def worker():
+        start.wait()
+        try:
+            results.append(pair.generate(CODE, max_tokens=40, n_draft=2).tokens)
+        except specllama.BusyError as e:
+            errors.append(e)
+
+    threads = [threading.Thread(target=worker) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(results) + len(errors) == 2 and results
+    assert all(r == expected[CODE] for r in results)
+    assert all("already generating" in str(e) for e in errors)
