@@ -18,6 +18,7 @@ from .errors import (
     PromptTooLongError,
     SpecLlamaError,
 )
+from .plan import MemoryPlanError
 from .sampling import SamplingSettings
 from .stats import Stats
 
@@ -25,7 +26,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "BusyError", "Chunk", "ContextFullError", "DecodeError", "EmptyPromptError",
-    "IncompatibleDraftError", "InvalidModelFileError", "InvalidParameterError",
+    "IncompatibleDraftError", "InvalidModelFileError", "InvalidParameterError", "MemoryPlanError",
     "ModelNotFoundError", "PromptTooLongError", "Result", "SamplingSettings", "SpecLlama",
     "SpecLlamaError", "Stats", "Stream", "load",
 ]

@@ -332,3 +332,30 @@ def bench_cmd(ctx: click.Context, model: str, prompts_file: str, draft: str, n_d
         click.echo("recommended: no speculation on this machine for these prompts (--draft none)")
     else:
         click.echo(f"recommended: --n-draft {best}")
+
+
+@main.command("plan")
+@click.argument("model", envvar="SPECLLAMA_MODEL")
+@click.option("--draft", default="auto", envvar="SPECLLAMA_DRAFT", show_default=True)
+@click.option("--ctx", "n_ctx", type=int, default=4096, show_default=True)
+@click.option("--gpu-layers", "n_gpu_layers", type=int, default=-1, show_default=True)
+@click.option("--draft-gpu-layers", "draft_n_gpu_layers", type=int, default=None)
+@click.option("--cache-type", "cache_type", default=None, help="KV cache type for K and V (f16, q8_0, ...).")
+def plan_cmd(model: str, draft: str, n_ctx: int, n_gpu_layers: int, draft_n_gpu_layers: Optional[int],
+             cache_type: Optional[str]) -> None:
+    """Show the memory MODEL and its draft need, from their headers, without loading them."""
+    from .draft_select import resolve_pair
+    from .plan import make_plan, ways_out
+    from .runtime import supports_gpu_offload
+
+    target_path, draft_path, notes = resolve_pair(model, None if draft == "ngram" else draft)
+    for note in notes:
+        click.echo(note, err=True)
+    memory = make_plan(target_path, draft_path, n_ctx=n_ctx, n_gpu_layers=n_gpu_layers,
+                       draft_n_gpu_layers=draft_n_gpu_layers, type_k=cache_type, type_v=cache_type,
+                       gpu_offload=supports_gpu_offload())
+    click.echo(memory.describe())
+    if memory.fits:
+        click.echo("fits")
+    else:
+        raise click.ClickException("does not fit; ways out: " + "; ".join(ways_out(memory, n_ctx)))

@@ -9,6 +9,7 @@ import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field, fields
+from pathlib import Path
 from typing import Any, Optional, Union
 
 import numpy as np
@@ -19,7 +20,8 @@ from .decode import generate_steps
 from .errors import BusyError, EmptyPromptError, InvalidParameterError, PromptTooLongError
 from .controller import AdaptiveDraft, FixedDraft
 from .proposers import CombinedProposer, DraftModelProposer, PromptLookupProposer
-from .runtime import ModelSettings, Runtime, open_runtime
+from .plan import check as check_plan, make_plan
+from .runtime import ModelSettings, Runtime, open_runtime, supports_gpu_offload
 from .sampling import SamplingSettings
 from .stats import Stats
 from .text import Detokenizer, StopMatcher
@@ -317,7 +319,7 @@ _SETTING_NAMES = {f.name for f in fields(ModelSettings)}
 
 
 def load(target: Any, draft: Any = None, *, n_draft: Union[int, str] = "auto", exact: bool = True,
-         lookup: bool = False, **model_settings: Any) -> SpecLlama:
+         lookup: bool = False, check_memory: bool = True, **model_settings: Any) -> SpecLlama:
     """Load a target model and an optional draft of the same family.
 
     Args:
@@ -330,6 +332,8 @@ def load(target: Any, draft: Any = None, *, n_draft: Union[int, str] = "auto", e
             a fixed number of tokens per round (0..32).
         lookup: also propose by prompt lookup (n-grams of prompt + output) when it has a long
             match, falling back to the draft model.
+        check_memory: plan the memory both models need from their GGUF headers and raise
+            MemoryPlanError (with ways out) before loading when it exceeds what is available.
         exact: keep every verify pass within the batch size measured (once, then cached) to
             give bitwise the target's single-token logits, so greedy output is identical to
             the target alone. False drafts n_draft regardless; output may then differ where
@@ -355,6 +359,13 @@ def load(target: Any, draft: Any = None, *, n_draft: Union[int, str] = "auto", e
         target, draft, notes = resolve_pair(str(target), None if draft is None else str(draft))
         for note in notes:
             log.info(note)
+    if check_memory and _is_ref(target) and (draft is None or _is_ref(draft)):
+        memory = make_plan(Path(target), Path(draft) if draft is not None else None,
+                           n_ctx=target_settings.n_ctx, n_gpu_layers=target_settings.n_gpu_layers,
+                           draft_n_gpu_layers=draft_settings.n_gpu_layers, type_k=target_settings.type_k,
+                           type_v=target_settings.type_v, n_batch=target_settings.n_batch,
+                           gpu_offload=supports_gpu_offload())
+        check_plan(memory, target_settings.n_ctx)
     target_rt = open_runtime(target, target_settings)
     draft_rt = None
     try:

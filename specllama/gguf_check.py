@@ -8,6 +8,7 @@ says how many more bytes it needs.
 
 from __future__ import annotations
 
+import functools
 import mmap
 import os
 import struct
@@ -184,12 +185,24 @@ def validate(path: Union[str, os.PathLike]) -> Path:
 
     Raises ModelNotFoundError or InvalidModelFileError with the reason.
     """
+    read_header(path)
+    return Path(path).expanduser()
+
+
+def read_header(path: Union[str, os.PathLike]) -> GGUFHeader:
+    """Parse and validate the header of a local GGUF file (cached while the file is unchanged)."""
     path = Path(path).expanduser()
     if not path.exists():
         raise ModelNotFoundError(f"model file not found: {path}")
     if not path.is_file():
         raise InvalidModelFileError(f"{path} is not a file (give the path of a .gguf file)")
-    size = path.stat().st_size
+    st = path.stat()
+    return _read_header(str(path.resolve()), st.st_size, st.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=16)
+def _read_header(path_str: str, size: int, mtime_ns: int) -> GGUFHeader:
+    path = Path(path_str)
     if size < 24:
         raise InvalidModelFileError(f"{path} is not a GGUF model: only {size} bytes")
     with path.open("rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
@@ -197,19 +210,13 @@ def validate(path: Union[str, os.PathLike]) -> Path:
             header = parse(buf, size)
         except ValueError as e:
             raise InvalidModelFileError(f"{path} is not a valid GGUF model: {e}") from None
+    alignment = header.fields.get("general.alignment", GGUF_DEFAULT_ALIGNMENT)
     for t in header.tensors:
-        if t.offset % header.fields.get("general.alignment", GGUF_DEFAULT_ALIGNMENT):
+        if t.offset % alignment:
             raise InvalidModelFileError(f"{path} is not a valid GGUF model: tensor {t.name!r} is misaligned")
     if header.data_end > size:
         raise InvalidModelFileError(
             f"{path} is truncated: its tensors need {header.data_end} bytes, the file has {size} "
             "(download it again)"
         )
-    return path
-
-
-def read_header(path: Union[str, os.PathLike]) -> GGUFHeader:
-    """Parse the header of a local GGUF file."""
-    path = validate(path)
-    with path.open("rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
-        return parse(buf, path.stat().st_size)
+    return header

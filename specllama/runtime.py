@@ -397,6 +397,11 @@ def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     return int(diff[0])
 
 
+def supports_gpu_offload() -> bool:
+    """Whether this llama.cpp build has a GPU backend (Metal, CUDA, ...)."""
+    return bool(llama_cpp.llama_supports_gpu_offload())
+
+
 def open_runtime(model: Any, settings: ModelSettings) -> Runtime:
     """A Runtime for a GGUF path or a borrowed llama_cpp.Llama."""
     if isinstance(model, llama_cpp.Llama):
