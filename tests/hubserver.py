@@ -34,6 +34,7 @@ class HubServer:
     def __init__(self, repos: list[Repo]):
         self.repos = {r.repo_id: r for r in repos}
         self.bytes_served: dict[tuple[str, str], int] = {}
+        self.drop_after: dict[tuple[str, str], int] = {}  # cut the next full download after N bytes
         self.requests: list[str] = []
         self._lock = threading.Lock()
         server = self
@@ -152,16 +153,23 @@ class HubServer:
         h.end_headers()
         if head:
             return
+        drop = self.drop_after.pop((repo.repo_id, name), None) if end - start + 1 > 1 << 20 else None
         with open(p, "rb") as f:
             f.seek(start)
             left = end - start + 1
+            sent = 0
             while left > 0:
+                if drop is not None and sent >= drop:
+                    h.close_connection = True
+                    h.connection.shutdown(2)  # the network goes away mid-file
+                    return
                 block = f.read(min(left, 1 << 20))
                 try:
                     h.wfile.write(block)
                 except (BrokenPipeError, ConnectionResetError):
                     break
                 left -= len(block)
+                sent += len(block)
                 with self._lock:
                     key = (repo.repo_id, name)
                     self.bytes_served[key] = self.bytes_served.get(key, 0) + len(block)

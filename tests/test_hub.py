@@ -171,3 +171,20 @@ def test_subprocess_run_with_local_target_auto_draft(model_paths, pair, tmp_path
     assert "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf" in proc.stderr
     expected = pair.generate(prompt, max_tokens=24).text
     assert proc.stdout.rstrip("\n") == expected.rstrip("\n") or proc.stdout == expected + "\n"
+
+
+def test_a_download_cut_mid_file_resumes(server, hub_env, model_paths):
+    hub = Hub.from_env()
+    name = "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf"
+    size = model_paths["draft"].stat().st_size
+    server.drop_after[(DRAFT_REPO, name)] = size // 3
+    before = server.served(DRAFT_REPO)
+    try:
+        path = hub.download(DRAFT_REPO, name)
+    except Exception:  # huggingface_hub gave up on this try: the next one resumes from the partial file
+        path = hub.download(DRAFT_REPO, name)
+    served = server.served(DRAFT_REPO) - before
+    assert (DRAFT_REPO, name) not in server.drop_after, "the connection was never cut"
+    assert path.stat().st_size == size
+    assert gguf_check.read_header(path).data_end == size
+    assert size <= served < size + size // 3, "the download started over instead of resuming"
