@@ -197,7 +197,7 @@ def select_draft(target_path: Path, hub: Hub, registry: Registry, *, repo_id: Op
         decision.warning = (f"the draft is {c.size_ratio:.0%} of the target's size; above a third it usually "
                             "costs more than it saves")
     if download:
-        path = Path(c.path) if c.path else hub.download(c.repo_id, c.filename)
+        path = Path(c.path) if c.path else hub.download(c.repo_id, c.filename, sha256=registry.sha256)
         decision.draft_path = str(path)
         _store(key, {"draft_path": str(path), "chosen": asdict(c), "reason": decision.reason})
     return decision

@@ -198,6 +198,12 @@ class SpecLlama:
 
     def _prompt_tokens(self, prompt: Prompt) -> list[int]:
         if isinstance(prompt, str):
+            try:
+                prompt.encode("utf-8")
+            except UnicodeEncodeError as e:
+                raise InvalidParameterError("prompt", prompt[max(0, e.start - 10):e.end + 10],
+                                            "valid Unicode text (it holds an unpaired surrogate, "
+                                            "e.g. from undecodable bytes)") from None
             tokens = self.tokenize(prompt) if prompt else []
         elif isinstance(prompt, Sequence) and not isinstance(prompt, (bytes, bytearray)):
             tokens = list(prompt)

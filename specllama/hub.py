@@ -6,6 +6,7 @@ when a Hub is made, so tests and users can point it elsewhere without re-importi
 
 from __future__ import annotations
 
+import hashlib
 import os
 import re
 from dataclasses import dataclass, field
@@ -130,10 +131,13 @@ class Hub:
 
     # --- files --------------------------------------------------------------------------------
 
-    def download(self, repo_id: str, filename: str, revision: Optional[str] = None) -> Path:
+    def download(self, repo_id: str, filename: str, revision: Optional[str] = None,
+                 sha256: Optional[dict[str, str]] = None) -> Path:
         """Download (or find in the cache) filename and, for split GGUFs, all its parts.
 
-        Returns the path of the file, or of part 1 for a split GGUF (llama.cpp loads the rest).
+        sha256 maps "repo_id/file" to an expected digest; a file that does not match is removed
+        from the cache and HubError is raised. Returns the path of the file, or of part 1 for a
+        split GGUF (llama.cpp loads the rest).
         """
         names = [filename]
         m = SPLIT_RE.search(filename)
@@ -158,6 +162,9 @@ class Hub:
                     raise HubError(f"no space left on device while downloading {repo_id}/{name}; "
                                    "free some space or set HF_HOME to a larger disk") from None
                 raise
+            expected = (sha256 or {}).get(f"{repo_id}/{name}")
+            if expected is not None:
+                _verify_sha256(paths[-1], expected, f"{repo_id}/{name}")
         return paths[0]
 
     def read_header(self, repo_id: str, filename: str, revision: Optional[str] = None,
@@ -217,3 +224,16 @@ class Hub:
         found = try_to_load_from_cache(repo_id, filename, cache_dir=self.cache_dir, revision=revision)
         return Path(found) if isinstance(found, str) else None
 
+
+
+def _verify_sha256(path: Path, expected: str, label: str) -> None:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(1 << 22):
+            digest.update(block)
+    if digest.hexdigest() != expected:
+        blob = path.resolve()
+        path.unlink(missing_ok=True)
+        blob.unlink(missing_ok=True)  # the cache's blob behind the snapshot link
+        raise HubError(f"{label} does not match its SHA-256 in models.toml (got {digest.hexdigest()[:16]}..., "
+                       f"expected {expected[:16]}...); the file was removed, download it again")

@@ -31,6 +31,7 @@ class Registry:
     aliases: dict[str, str] = field(default_factory=dict)
     pairs: list[Pair] = field(default_factory=list)
     sources: list[str] = field(default_factory=list)
+    sha256: dict[str, str] = field(default_factory=dict)  # "owner/repo/file.gguf" -> hex digest
 
     def resolve_alias(self, name: str) -> Optional[str]:
         return self.aliases.get(name) or self.aliases.get(name.lower())
@@ -44,7 +45,8 @@ _PAIR_KEYS: dict[str, tuple[type, bool]] = {  # key: (type, required)
     "family": (str, True), "targets": (list, True), "draft": (str, True),
     "verified": (bool, False), "note": (str, False),
 }
-_TOP_KEYS = {"aliases", "pairs"}
+_TOP_KEYS = {"aliases", "pairs", "sha256"}
+_HEX = set("0123456789abcdef")
 
 
 def parse(text: str, source: str) -> Registry:
@@ -55,13 +57,19 @@ def parse(text: str, source: str) -> Registry:
         raise RegistryError(f"{source}: not valid TOML: {e}") from None
     for key in data:
         if key not in _TOP_KEYS:
-            raise RegistryError(f"{source}: unknown top-level key {key!r} (allowed: aliases, [[pairs]])")
+            raise RegistryError(f"{source}: unknown top-level key {key!r} (allowed: aliases, [[pairs]], sha256)")
     aliases = data.get("aliases", {})
     if not isinstance(aliases, dict):
         raise RegistryError(f"{source}: [aliases] must be a table of name = \"repo:quant\" strings")
     for name, ref in aliases.items():
         if not isinstance(ref, str) or not ref:
             raise RegistryError(f"{source}: [aliases] key {name!r} must be a non-empty string, not {ref!r}")
+    sha256 = data.get("sha256", {})
+    if not isinstance(sha256, dict):
+        raise RegistryError(f'{source}: [sha256] must be a table of "owner/repo/file.gguf" = "hex digest"')
+    for name, digest in sha256.items():
+        if not isinstance(digest, str) or len(digest) != 64 or not set(digest.lower()) <= _HEX:
+            raise RegistryError(f"{source}: [sha256] key {name!r} must be a 64-digit hex SHA-256, not {digest!r}")
     pairs_data = data.get("pairs", [])
     if not isinstance(pairs_data, list):
         raise RegistryError(f"{source}: 'pairs' must be an array of tables ([[pairs]])")
@@ -84,7 +92,7 @@ def parse(text: str, source: str) -> Registry:
                 raise RegistryError(f"{where}: key {key!r} must be {want}, not {value!r}")
         pairs.append(Pair(entry["family"], tuple(entry["targets"]), entry["draft"],
                           entry.get("verified", False), entry.get("note", ""), source))
-    return Registry(dict(aliases), pairs, [source])
+    return Registry(dict(aliases), pairs, [source], {k: v.lower() for k, v in sha256.items()})
 
 
 def user_file() -> Path:
@@ -99,7 +107,7 @@ def load() -> Registry:
     if path.exists():
         user = parse(path.read_text(encoding="utf-8"), str(path))
         registry = Registry({**registry.aliases, **user.aliases}, user.pairs + registry.pairs,
-                            user.sources + registry.sources)
+                            user.sources + registry.sources, {**registry.sha256, **user.sha256})
     return registry
 
 

@@ -99,5 +99,5 @@ def resolve(ref: str, hub: Hub, registry: Registry) -> Resolved:
         return Resolved(parsed)
     revision, files = hub.gguf_files(parsed.repo_id)
     filename, note = choose_file(parsed.repo_id, files, parsed.selector)
-    path = hub.download(parsed.repo_id, filename, revision=revision or None)
+    path = hub.download(parsed.repo_id, filename, revision=revision or None, sha256=registry.sha256)
     return Resolved(path, parsed.repo_id, filename, revision or None, note)

@@ -149,3 +149,22 @@ def test_busy_while_a_stream_is_open(pair):
         pair.generate(CODE, max_tokens=2)
     stream.close()
     assert pair.generate(CODE, max_tokens=2).finish_reason == "length"
+
+
+@pytest.mark.parametrize("prompt", ["   \n\t ", "<|im_end|>", "<|im_start|><|im_end|>"])
+def test_odd_prompts_have_defined_behaviour(pair, plain, prompt):
+    got = pair.generate(prompt, max_tokens=6)
+    assert got.tokens == plain.generate(prompt, max_tokens=6).tokens
+
+
+def test_undecodable_text_is_a_clear_error(pair, golden):
+    text = b"caf\xe9 \xff\xfe".decode("utf-8", errors="surrogateescape")
+    with pytest.raises(InvalidParameterError, match="unpaired surrogate"):
+        pair.generate(text, max_tokens=4)
+    assert pair.generate(CODE, max_tokens=12).tokens == golden
+
+
+def test_100kb_prompt_is_too_long_not_a_crash(pair, golden):
+    with pytest.raises(PromptTooLongError, match="context holds 2048"):
+        pair.generate("word " * 20_000, max_tokens=4)
+    assert pair.generate(CODE, max_tokens=12).tokens == golden

@@ -188,3 +188,14 @@ def test_a_download_cut_mid_file_resumes(server, hub_env, model_paths):
     assert path.stat().st_size == size
     assert gguf_check.read_header(path).data_end == size
     assert size <= served < size + size // 3, "the download started over instead of resuming"
+
+
+def test_wrong_checksum_is_detected_and_the_file_not_used(server, hub_env, tmp_path):
+    home = tmp_path / "home"
+    home.mkdir(exist_ok=True)
+    (home / "models.toml").write_text(
+        "[sha256]\n" f'"{DRAFT_REPO}/qwen2.5-coder-0.5b-instruct-q4_k_m.gguf" = "{"0" * 64}"\n')
+    with pytest.raises(HubError, match="does not match its SHA-256 in models.toml.*removed"):
+        resolve(DRAFT_REPO, Hub.from_env(), registry.load())
+    cached = [p for _, _, p in Hub.from_env().cached_ggufs()]
+    assert not any("0.5b" in str(p) for p in cached)
