@@ -39,10 +39,10 @@ class FixedDraft:
     hopeless = False
 
     def __init__(self, k: int):
-        self.k = k
+        self.limit = k
 
     def choose(self, k_max: int) -> int:
-        return min(self.k, k_max)
+        return min(self.limit, k_max)
 
     def observe(self, n_drafted: int, n_accepted: int) -> None:
         pass
@@ -57,7 +57,7 @@ class AdaptiveDraft:
     def __init__(self, costs: Costs, k_limit: int, *, decay: float = 0.95, prior: float = 0.7,
                  prior_weight: float = 2.0, probe_every: int = 8, early_stop: float = 0.4):
         self.costs = costs
-        self.k_limit = k_limit
+        self.limit = k_limit
         self.decay = decay
         self.prior, self.prior_weight = prior, prior_weight
         self.probe_every = probe_every
@@ -77,9 +77,9 @@ class AdaptiveDraft:
         positions teach carries to deeper ones that are rarely reached.
         """
         w = self.prior_weight
-        out = np.empty(self.k_limit)
+        out = np.empty(self.limit)
         prior = self.prior
-        for i in range(self.k_limit):
+        for i in range(self.limit):
             out[i] = prior = (self.accepted[i] + prior * w) / (self.reached[i] + w)
         return out
 
@@ -93,7 +93,7 @@ class AdaptiveDraft:
         return expected / times
 
     def choose(self, k_max: int) -> int:
-        k_max = min(k_max, self.k_limit)
+        k_max = min(k_max, self.limit)
         if k_max <= 0 or self.hopeless:
             return 0
         k = int(np.argmax(self.expected_rates(k_max)))

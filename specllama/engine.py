@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import threading
@@ -238,19 +239,26 @@ class SpecLlama:
         n_draft = self.n_draft if n_draft is None else _check_n_draft(n_draft)
         return _Request(prompt, sampling, max_tokens, seed, stops, n_draft)
 
-    def _policy(self, n_draft: Union[int, str]) -> Any:
+    def _policy(self, n_draft: Union[int, str], lookup_only: bool) -> Any:
         limit = self.max_exact_draft if self.exact else MAX_N_DRAFT
-        if n_draft == "auto":
-            if self.draft is None:  # prompt lookup costs nothing to try: start optimistic, retry soon
-                return AdaptiveDraft(self.costs(), min(limit, MAX_AUTO_DRAFT), prior=0.8, probe_every=2)
-            return AdaptiveDraft(self.costs(), min(limit, MAX_AUTO_DRAFT))
-        return FixedDraft(min(n_draft, limit))
+        if n_draft != "auto":
+            return FixedDraft(min(n_draft, limit))
+        if lookup_only:  # prompt lookup costs nothing to try: start optimistic, retry soon
+            free = dataclasses.replace(self.costs(), draft_token=0.0)
+            return AdaptiveDraft(free, min(limit, MAX_AUTO_DRAFT), prior=0.8, probe_every=2)
+        return AdaptiveDraft(self.costs(), min(limit, MAX_AUTO_DRAFT))
 
-    def _proposer(self) -> Any:
-        if self.draft is None:
-            return PromptLookupProposer() if self.lookup else None
-        model = DraftModelProposer(self.draft)
-        return CombinedProposer(model, PromptLookupProposer()) if self.lookup else model
+    def _proposer_and_policy(self, n_draft: Union[int, str]) -> tuple[Any, Any]:
+        if not self.speculates:
+            return None, FixedDraft(0)
+        if self.draft is not None:
+            policy = self._policy(n_draft, lookup_only=False)
+            if not policy.hopeless:
+                model = DraftModelProposer(self.draft)
+                return (CombinedProposer(model, PromptLookupProposer()) if self.lookup else model), policy
+            if not self.lookup:  # no draft length can beat plain decoding here: skip the draft
+                return None, FixedDraft(0)
+        return PromptLookupProposer(), self._policy(n_draft, lookup_only=True)
 
     @contextmanager
     def _exclusive(self) -> Iterator[None]:
@@ -263,36 +271,32 @@ class SpecLlama:
             self._lock.release()
 
     def _run(self, req: _Request, stream: Stream) -> Iterator[Chunk]:
-        proposer = self._proposer()
-        policy = self._policy(req.n_draft) if proposer is not None else FixedDraft(0)
-        if policy.hopeless:  # no draft length can beat plain decoding here: skip the draft entirely
-            proposer = None
-        stats = Stats(n_prompt=len(req.prompt), n_draft_max=getattr(policy, "k", getattr(policy, "k_limit", 0)))
         tokens: list[int] = []
         texts: list[str] = []
         finish = "cancelled"
         t_start = time.perf_counter()
         with self._exclusive():
+            # inside the lock: the first "auto" policy calibrates, which decodes on the target
+            proposer, policy = self._proposer_and_policy(req.n_draft)
+            stats = Stats(n_prompt=len(req.prompt), n_draft_max=policy.limit if proposer is not None else 0)
             steps = generate_steps(self.target, proposer, req.sampling, np.random.default_rng(req.seed),
                                    req.prompt, policy, stats)
             detokenizer, matcher = Detokenizer(), StopMatcher(req.stop)
             try:
                 finish = "length"  # running out of context also ends here
-                for step in steps:
-                    for i, token in enumerate(step.tokens):
-                        if self.target.is_eog(token):
-                            finish = "stop"
-                            break
-                        tokens.append(token)
-                        text = matcher.feed(detokenizer.feed(self.target.piece(token)))
-                        texts.append(text)
-                        yield Chunk(text, [token], [i < step.n_from_draft])
-                        if matcher.stopped or len(tokens) == req.max_tokens:
-                            finish = "stop" if matcher.stopped else "length"
-                            break
-                    else:
-                        continue
-                    break
+                for token, from_draft in _accepted_tokens(steps):
+                    if self.target.is_eog(token):
+                        finish = "stop"
+                        break
+                    tokens.append(token)
+                    text = matcher.feed(detokenizer.feed(self.target.piece(token)))
+                    texts.append(text)
+                    yield Chunk(text, [token], [from_draft])
+                    if matcher.stopped:
+                        finish = "stop"
+                        break
+                    if len(tokens) == req.max_tokens:
+                        break
                 tail = matcher.feed(detokenizer.flush()) + matcher.flush()
                 if tail:
                     texts.append(tail)
@@ -305,6 +309,13 @@ class SpecLlama:
                 stats.n_generated = len(tokens)
                 stats.t_total = time.perf_counter() - t_start
                 stream.result = Result("".join(texts), tokens, finish, stats)
+
+
+def _accepted_tokens(steps: Iterator[Any]) -> Iterator[tuple[int, bool]]:
+    """(token, came from the draft) for every token the rounds accept, in order."""
+    for step in steps:
+        for i, token in enumerate(step.tokens):
+            yield token, i < step.n_from_draft
 
 
 def _check_n_draft(n_draft: Any) -> Union[int, str]:
