@@ -129,7 +129,7 @@ def test_offline_and_not_cached(hub_env):
 
 def test_cli_run_with_auto_draft_from_the_hub(server, hub_env, pair):
     runner = CliRunner()
-    result = runner.invoke(main, ["run", TARGET_REPO, "def add(a, b):", "--raw", "--max-tokens", "16",
+    result = runner.invoke(main, ["run", TARGET_REPO, "def add(a, b):", "--raw", "--max-tokens", "16", "--n-draft", "2",
                                   "--threads", "2", "--ctx", "2048", "--json"])
     assert result.exit_code == 0, result.output
     data = json.loads(result.stdout.strip().splitlines()[-1])
