@@ -53,7 +53,6 @@ class Hub:
     cache_dir: Optional[Path] = None
     offline: bool = False
     token: Optional[str] = None
-    n_bytes_fetched: int = 0  # header bytes fetched with range requests, for reports
     _api: Any = field(default=None, repr=False)
 
     @classmethod
@@ -176,14 +175,11 @@ class Hub:
         """
         cached = self._cached_path(repo_id, filename, revision)
         if cached is not None:
-            with open(cached, "rb") as f:
-                data = f.read(64 * 1024 * 1024)
-            size = cached.stat().st_size
             try:
-                h = gguf_check.parse(data, size, metadata_only=True)
-                return HeaderRead(h.fields, {}, 0, True, size)
-            except gguf_check.NeedMoreBytes as e:
-                return HeaderRead(e.partial, e.array_lengths, 0, False, size)
+                h = gguf_check.read_header(cached)
+            except gguf_check.InvalidModelFileError as e:
+                raise HubError(str(e)) from None
+            return HeaderRead(h.fields, {}, 0, True, cached.stat().st_size)
         if self.offline:
             raise HubError(f"{repo_id}/{filename} is not cached and the Hub is offline")
         url = hf_hub_url(repo_id, filename, revision=revision, endpoint=self.endpoint)
@@ -205,7 +201,6 @@ class Hub:
             size = int(r.headers["Content-Range"].rsplit("/", 1)[1])
             buf += r.content
             n_fetched += len(r.content)
-            self.n_bytes_fetched += len(r.content)
             try:
                 h = gguf_check.parse(buf, size, metadata_only=True)
                 return HeaderRead(h.fields, {}, n_fetched, True, size)
