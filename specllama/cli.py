@@ -95,8 +95,7 @@ def run(ctx: click.Context, model: str, prompt: Optional[str], draft: str, n_dra
     PROMPT comes from the argument or, if absent, from stdin. Stats go to stderr.
     """
     ctx.meta["specllama.verbose"] = verbose
-    if not verbose:
-        logging.basicConfig(level=logging.WARNING, format="specllama: %(message)s")
+    _setup_logging(verbose)
     if prompt is None:
         if sys.stdin.isatty():
             raise click.UsageError("give a PROMPT argument or pipe one on stdin")
@@ -129,8 +128,23 @@ def run(ctx: click.Context, model: str, prompt: Optional[str], draft: str, n_dra
             }))
         else:
             click.echo()
-            draft_name = llm.draft.name if llm.draft else "no draft"
+            draft_name = llm.draft.name if llm.draft else ("prompt lookup" if llm.lookup else "no draft")
+            if llm.speculates and result.stats.n_draft_max == 0:
+                draft_name += ": not used, no draft length beats plain decoding here"
             click.echo(f"[{draft_name}] {result.stats.summary()}, finish: {result.finish_reason}", err=True)
+
+
+def _setup_logging(verbose: bool) -> None:
+    """specllama's own warnings as "specllama: ..." on stderr; other libraries' only with --verbose."""
+    logger = logging.getLogger("specllama")
+    if not logger.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("specllama: %(message)s"))
+        logger.addHandler(handler)
+    logger.setLevel(logging.INFO if verbose else logging.WARNING)
+    logger.propagate = False
+    if not verbose:
+        logging.getLogger("huggingface_hub").setLevel(logging.ERROR)
 
 
 def _int_option(name: str, value: Any) -> int:

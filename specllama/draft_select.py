@@ -214,6 +214,7 @@ def _gather(fp: Fingerprint, target_path: Path, target_repo: Optional[str], hub:
             seen.add(k)
             out.append(c)
 
+    hub.reachable()  # one quick check, so an unreachable Hub costs seconds, not retries
     # 1. models.toml: by the target's repo id, or by its name when it is a local file
     target_names = [target_repo] if target_repo else []
     stem = _norm(f"{fp.basename}-{fp.size_label}-{fp.finetune}")

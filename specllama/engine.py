@@ -274,10 +274,11 @@ class SpecLlama:
         tokens: list[int] = []
         texts: list[str] = []
         finish = "cancelled"
-        t_start = time.perf_counter()
         with self._exclusive():
-            # inside the lock: the first "auto" policy calibrates, which decodes on the target
+            # inside the lock: the first "auto" policy calibrates, which decodes on the target;
+            # that one-time measurement is not part of this generation's timings
             proposer, policy = self._proposer_and_policy(req.n_draft)
+            t_start = time.perf_counter()
             stats = Stats(n_prompt=len(req.prompt), n_draft_max=policy.limit if proposer is not None else 0)
             steps = generate_steps(self.target, proposer, req.sampling, np.random.default_rng(req.seed),
                                    req.prompt, policy, stats)

@@ -28,6 +28,21 @@ from huggingface_hub.utils import build_hf_headers, get_session, hf_raise_for_st
 from . import gguf_check
 from .errors import SpecLlamaError
 
+def _network_errors() -> tuple[type[BaseException], ...]:
+    """Exceptions that mean "the Hub could not be reached", whichever HTTP client hub uses."""
+    errors: list[type[BaseException]] = [HfHubHTTPError, OSError]
+    for module_name in ("httpx2", "httpx", "requests"):
+        try:
+            module = __import__(module_name)
+        except ImportError:
+            continue
+        for name in ("HTTPError", "TransportError", "RequestException"):
+            if isinstance(getattr(module, name, None), type):
+                errors.append(getattr(module, name))
+    return tuple(errors)
+
+
+NETWORK_ERRORS = _network_errors()
 SPLIT_RE = re.compile(r"-(\d{5})-of-(\d{5})\.gguf$", re.IGNORECASE)
 FIRST_READ = 256 * 1024
 
@@ -54,6 +69,7 @@ class Hub:
     offline: bool = False
     token: Optional[str] = None
     _api: Any = field(default=None, repr=False)
+    _reachable: Optional[bool] = field(default=None, repr=False)
 
     @classmethod
     def from_env(cls) -> "Hub":
@@ -73,7 +89,7 @@ class Hub:
 
     def gguf_files(self, repo_id: str, revision: Optional[str] = None) -> tuple[str, dict[str, int]]:
         """(commit sha, {filename: size}) of the .gguf files in repo_id; from the cache offline."""
-        if self.offline:
+        if self.offline or self._reachable is False:
             return self._cached_files(repo_id, revision)
         try:
             info = self.api.model_info(repo_id, revision=revision, files_metadata=True)
@@ -84,12 +100,9 @@ class Hub:
                            "for a private repo)") from None
         except RevisionNotFoundError:
             raise HubError(f"{repo_id} has no revision {revision!r}") from None
-        except (HfHubHTTPError, OSError) as e:
-            try:
-                return self._cached_files(repo_id, revision)
-            except HubError:
-                raise HubError(f"cannot reach the Hub for {repo_id} ({type(e).__name__}) and nothing is cached; "
-                               "check the network or set HF_ENDPOINT") from None
+        except NETWORK_ERRORS:
+            self._reachable = False
+            return self._cached_files(repo_id, revision)
         files = {s.rfilename: (s.size or 0) for s in info.siblings or [] if s.rfilename.lower().endswith(".gguf")}
         return info.sha or "", files
 
@@ -100,8 +113,11 @@ class Hub:
                     if revision is None or revision == rev.commit_hash or revision in rev.refs:
                         return rev.commit_hash, {f.file_name: f.size_on_disk for f in rev.files
                                                  if f.file_name.lower().endswith(".gguf")}
-        raise HubError(f"{repo_id} is not in the local Hugging Face cache and the Hub is offline "
-                       "(unset HF_HUB_OFFLINE and connect once to download it)")
+        if self.offline:
+            raise HubError(f"{repo_id} is not in the local Hugging Face cache and the Hub is offline "
+                           "(unset HF_HUB_OFFLINE and connect once to download it)")
+        raise HubError(f"cannot reach the Hub for {repo_id} and it is not in the local Hugging Face cache "
+                       "(check the network, or set HF_ENDPOINT)")
 
     def _scan(self) -> list:
         try:
@@ -119,13 +135,30 @@ class Hub:
                         out.append((repo.repo_id, str(f.file_path.relative_to(rev.snapshot_path)), f.file_path))
         return out
 
+    def reachable(self) -> bool:
+        """One quick request, without huggingface_hub's retries: is the Hub there at all?
+
+        Lets draft search on a machine without network give up in seconds, not after a minute
+        of backed-off retries.
+        """
+        if self.offline:
+            return False
+        if self._reachable is None:
+            url = f"{self.endpoint or huggingface_hub.constants.ENDPOINT}/api/models"
+            try:
+                get_session().get(url, params={"limit": 1}, timeout=5)
+                self._reachable = True
+            except NETWORK_ERRORS:
+                self._reachable = False
+        return self._reachable
+
     def search(self, **query: Any) -> list:
         """HfApi.list_models(**query); an empty list offline or when the Hub is unreachable."""
-        if self.offline:
+        if not self.reachable():
             return []
         try:
             return list(self.api.list_models(**query))
-        except (HfHubHTTPError, OSError):
+        except NETWORK_ERRORS:
             return []
 
     # --- files --------------------------------------------------------------------------------
@@ -188,8 +221,11 @@ class Hub:
         want, size = FIRST_READ, None
         n_fetched = 0
         while True:
-            r = get_session().get(url, headers={**headers, "Range": f"bytes={len(buf)}-{want - 1}"},
-                                  follow_redirects=True)
+            try:
+                r = get_session().get(url, headers={**headers, "Range": f"bytes={len(buf)}-{want - 1}"},
+                                      follow_redirects=True)
+            except NETWORK_ERRORS as e:
+                raise HubError(f"cannot reach the Hub for {repo_id}/{filename} ({type(e).__name__})") from None
             try:
                 hf_raise_for_status(r)
             except GatedRepoError:

@@ -46,7 +46,7 @@ class ModelSettings:
 
     n_ctx: int = 4096
     n_batch: int = 512
-    n_threads: Optional[int] = None
+    n_threads: Optional[int] = None  # None: the CPUs this process may use
     n_threads_batch: Optional[int] = None
     n_gpu_layers: int = -1
     flash_attn: Optional[bool] = None
@@ -121,10 +121,10 @@ class _Context:
         params.n_ctx = settings.n_ctx
         params.n_batch = settings.n_batch
         params.n_ubatch = settings.n_batch
-        if settings.n_threads is not None:
-            params.n_threads = settings.n_threads
-        if settings.n_threads_batch or settings.n_threads:
-            params.n_threads_batch = settings.n_threads_batch or settings.n_threads
+        # llama.cpp's own default is 4 threads whatever the machine; 4 on 2 cores halves speed
+        n_threads = settings.n_threads or _n_cpus()
+        params.n_threads = n_threads
+        params.n_threads_batch = settings.n_threads_batch or n_threads
         params.flash_attn_type = _FLASH_ATTN[settings.flash_attn]
         if settings.type_k is not None:
             params.type_k = KV_CACHE_TYPES[settings.type_k]
@@ -382,6 +382,13 @@ class Runtime:
         n_common = _common_prefix(self.cached, tokens)
         self.truncate(min(n_common, len(tokens) - 1))
         self.decode(tokens[len(self.cached):], n_logits=1)
+
+
+def _n_cpus() -> int:
+    try:
+        return len(os.sched_getaffinity(0))  # the CPUs this process may use (containers, taskset)
+    except AttributeError:  # macOS
+        return os.cpu_count() or 4
 
 
 def _system_info() -> str:

@@ -199,3 +199,16 @@ def test_wrong_checksum_is_detected_and_the_file_not_used(server, hub_env, tmp_p
         resolve(DRAFT_REPO, Hub.from_env(), registry.load())
     cached = [p for _, _, p in Hub.from_env().cached_ggufs()]
     assert not any("0.5b" in str(p) for p in cached)
+
+
+def test_unreachable_hub_falls_back_to_models_on_disk(model_paths, tmp_path):
+    """No network and no HF_HUB_OFFLINE (a fresh machine): the draft next to the target is found."""
+    folder = tmp_path / "models"
+    folder.mkdir()
+    for name in ("target", "draft"):
+        (folder / model_paths[name].name).symlink_to(model_paths[name])
+    hub = Hub(endpoint="http://127.0.0.1:9", cache_dir=tmp_path / "hf")  # nothing listens on port 9
+    decision = select_draft(folder / model_paths["target"].name, hub, registry.load(), use_cache=False)
+    assert decision.draft_path is not None and "0.5b" in decision.draft_path
+    remote = [c for c in decision.candidates if c.repo_id]
+    assert remote and all("cannot reach the Hub" in c.reason for c in remote)
