@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import sys
@@ -360,14 +361,15 @@ def plan_cmd(model: str, draft: str, n_ctx: int, n_gpu_layers: int, draft_n_gpu_
     """Show the memory MODEL and its draft need, from their headers, without loading them."""
     from .draft_select import resolve_pair
     from .plan import make_plan, ways_out
-    from .runtime import supports_gpu_offload
+    from .runtime import ModelSettings, supports_gpu_offload
 
     target_path, draft_path, notes = resolve_pair(model, None if draft == "ngram" else draft)
     for note in notes:
         click.echo(note, err=True)
-    memory = make_plan(target_path, draft_path, n_ctx=n_ctx, n_gpu_layers=n_gpu_layers,
-                       draft_n_gpu_layers=draft_n_gpu_layers, type_k=cache_type, type_v=cache_type,
-                       gpu_offload=supports_gpu_offload())
+    settings = ModelSettings(n_ctx=n_ctx, n_gpu_layers=n_gpu_layers, type_k=cache_type, type_v=cache_type)
+    draft_settings = None if draft_n_gpu_layers is None else \
+        dataclasses.replace(settings, n_gpu_layers=draft_n_gpu_layers)
+    memory = make_plan(target_path, draft_path, settings, draft_settings, gpu_offload=supports_gpu_offload())
     click.echo(memory.describe())
     if memory.fits:
         click.echo("fits")

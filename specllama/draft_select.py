@@ -79,7 +79,9 @@ class Candidate:
 
     @property
     def label(self) -> str:
-        return self.path or f"{self.repo_id}/{self.filename}" if self.filename else (self.path or self.repo_id or "?")
+        if self.path:
+            return self.path
+        return f"{self.repo_id}/{self.filename}" if self.filename else (self.repo_id or "?")
 
     def rank_key(self) -> tuple:
         return (not self.same_family, self.size_ratio >= 1, self.size_ratio, not self.official, -self.downloads)

@@ -378,11 +378,8 @@ def load(target: Any, draft: Any = None, *, n_draft: Union[int, str] = "auto", e
         for note in notes:
             log.info(note)
     if check_memory and _is_ref(target) and (draft is None or _is_ref(draft)):
-        memory = make_plan(Path(target), Path(draft) if draft is not None else None,
-                           n_ctx=target_settings.n_ctx, n_gpu_layers=target_settings.n_gpu_layers,
-                           draft_n_gpu_layers=draft_settings.n_gpu_layers, type_k=target_settings.type_k,
-                           type_v=target_settings.type_v, n_batch=target_settings.n_batch,
-                           gpu_offload=supports_gpu_offload())
+        memory = make_plan(Path(target), Path(draft) if draft is not None else None, target_settings,
+                           draft_settings, gpu_offload=supports_gpu_offload())
         check_plan(memory, target_settings.n_ctx)
     target_rt = open_runtime(target, target_settings)
     draft_rt = None

@@ -16,6 +16,7 @@ from typing import Optional
 
 from . import gguf_check
 from .errors import SpecLlamaError
+from .runtime import ModelSettings
 
 KV_BYTES_PER_ELEMENT = {"f32": 4.0, "f16": 2.0, "bf16": 2.0, "q8_0": 34 / 32, "q5_1": 24 / 32,
                         "q5_0": 22 / 32, "q4_1": 20 / 32, "q4_0": 18 / 32}
@@ -75,8 +76,9 @@ class MemoryPlan:
         return "\n".join(lines + self.notes)
 
 
-def model_plan(path: Path, n_ctx: int, n_gpu_layers: int, type_k: Optional[str], type_v: Optional[str],
-               n_batch: int = 512, gpu_offload: bool = False) -> ModelPlan:
+def model_plan(path: Path, settings: ModelSettings, gpu_offload: bool = False) -> ModelPlan:
+    """One model's memory with its own context size, cache types, batch and offload."""
+    n_ctx, n_batch, n_gpu_layers = settings.n_ctx, settings.n_batch, settings.n_gpu_layers
     header = gguf_check.read_header(path)
     f = header.fields
     arch = f.get("general.architecture", "")
@@ -87,8 +89,8 @@ def model_plan(path: Path, n_ctx: int, n_gpu_layers: int, type_k: Optional[str],
     n_embd = int(f.get(f"{arch}.embedding_length", 0))
     head_k = int(f.get(f"{arch}.attention.key_length", n_embd // n_head if n_head else 0))
     head_v = int(f.get(f"{arch}.attention.value_length", head_k))
-    kv = int(n_layer * n_ctx * n_head_kv * (head_k * KV_BYTES_PER_ELEMENT[type_k or "f16"]
-                                           + head_v * KV_BYTES_PER_ELEMENT[type_v or "f16"]))
+    kv = int(n_layer * n_ctx * n_head_kv * (head_k * KV_BYTES_PER_ELEMENT[settings.type_k or "f16"]
+                                           + head_v * KV_BYTES_PER_ELEMENT[settings.type_v or "f16"]))
     n_offload = 0 if not gpu_offload else (n_layer if n_gpu_layers < 0 else min(n_gpu_layers, n_layer))
     ram = gpu = 0
     for t in header.tensors:
@@ -119,17 +121,14 @@ def available_memory() -> tuple[int, bool]:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES"), False
 
 
-def make_plan(target: Path, draft: Optional[Path], *, n_ctx: int = 4096, n_gpu_layers: int = -1,
-              draft_n_gpu_layers: Optional[int] = None, type_k: Optional[str] = None,
-              type_v: Optional[str] = None, n_batch: int = 512, gpu_offload: bool = False,
+def make_plan(target: Path, draft: Optional[Path], target_settings: ModelSettings,
+              draft_settings: Optional[ModelSettings] = None, *, gpu_offload: bool = False,
               available: Optional[int] = None) -> MemoryPlan:
-    """The memory plan for a target and optional draft with these settings."""
+    """The memory plan for a target and optional draft, each with its own settings
+    (the draft's default to the target's)."""
     ram, unified = available_memory()
-    t = model_plan(target, n_ctx, n_gpu_layers, type_k, type_v, n_batch, gpu_offload)
-    d = None
-    if draft is not None:
-        d = model_plan(draft, n_ctx, n_gpu_layers if draft_n_gpu_layers is None else draft_n_gpu_layers,
-                       type_k, type_v, n_batch, gpu_offload)
+    t = model_plan(target, target_settings, gpu_offload)
+    d = model_plan(draft, draft_settings or target_settings, gpu_offload) if draft is not None else None
     return MemoryPlan(t, d, ram if available is None else available, unified)
 
 
