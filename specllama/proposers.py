@@ -46,6 +46,10 @@ class DraftModelProposer:
         self.draft = draft
 
     def prefill(self, tokens: Sequence[int]) -> None:
+        # Fresh, like the target: a prefix reused from an earlier call is batched differently,
+        # so q (and the random draws compared against it) would depend on call history, and
+        # the same seed would no longer give the same text.
+        self.draft.truncate(0)
         if len(tokens) <= self.draft.n_ctx:
             self.draft.sync(tokens)
 

@@ -61,3 +61,15 @@ def test_lookup_sampling_is_reproducible_and_uses_the_match_rule(model_paths):
         b = llm.generate(prompt, max_tokens=24, temperature=0.7, seed=5, n_draft=3)
         assert a.tokens == b.tokens
         assert a.stats.n_drafted > 0 and a.stats.n_accepted > 0
+
+
+def test_same_seed_same_text_whatever_ran_before(pair):
+    """Found by the property test: the draft reused its cache across calls, so q depended on
+    call history and a seed did not fix the text."""
+    prompt = '"name": def def lighthouse 1.'
+    pair.generate("def", max_tokens=1, n_draft=0)
+    a = pair.generate(prompt, max_tokens=10, n_draft=2, temperature=0.9, seed=10)
+    b = pair.generate(prompt, max_tokens=10, n_draft=2, temperature=0.9, seed=10)
+    pair.generate("The lighthouse keeper", max_tokens=8, n_draft=2)
+    c = pair.generate(prompt, max_tokens=10, n_draft=2, temperature=0.9, seed=10)
+    assert a.tokens == b.tokens == c.tokens
