@@ -22,7 +22,7 @@ from .errors import BusyError, EmptyPromptError, InvalidParameterError, PromptTo
 from .controller import AdaptiveDraft, FixedDraft
 from .proposers import CombinedProposer, DraftModelProposer, PromptLookupProposer
 from .plan import check as check_plan, make_plan
-from .runtime import ModelSettings, Runtime, open_runtime, supports_gpu_offload
+from .runtime import ModelSettings, Runtime, open_runtime, resident_bytes, supports_gpu_offload
 from .sampling import SamplingSettings
 from .stats import Stats
 from .text import Detokenizer, StopMatcher
@@ -309,7 +309,15 @@ class SpecLlama:
                 steps.close()
                 stats.n_generated = len(tokens)
                 stats.t_total = time.perf_counter() - t_start
+                _record_memory(stats, self.target, self.draft)
                 stream.result = Result("".join(texts), tokens, finish, stats)
+
+
+def _record_memory(stats: Stats, target: Runtime, draft: Optional[Runtime]) -> None:
+    for runtime, name in ((target, "n_bytes_target"), (draft, "n_bytes_draft")):
+        if runtime is not None and runtime.memory_use is not None:
+            setattr(stats, name, runtime.memory_use.total)
+    stats.n_bytes_resident = resident_bytes()
 
 
 def _accepted_tokens(steps: Iterator[Any]) -> Iterator[tuple[int, bool]]:

@@ -7,6 +7,7 @@ cache types, and an allowance for compute buffers.
 
 from __future__ import annotations
 
+import math
 import os
 import re
 import sys
@@ -16,7 +17,7 @@ from typing import Optional
 
 from . import gguf_check
 from .errors import SpecLlamaError
-from .runtime import ModelSettings
+from .runtime import ModelSettings, devices
 
 KV_BYTES_PER_ELEMENT = {"f32": 4.0, "f16": 2.0, "bf16": 2.0, "q8_0": 34 / 32, "q5_1": 24 / 32,
                         "q5_0": 22 / 32, "q4_1": 20 / 32, "q4_0": 18 / 32}
@@ -35,10 +36,24 @@ class ModelPlan:
     weights_gpu: int
     kv: int
     compute: int
+    n_layer: int = 0
+    n_offloaded: int = 0  # layers on the GPU; their share of the KV cache and the compute buffers go too
+
+    @property
+    def kv_gpu(self) -> int:
+        return self.kv * self.n_offloaded // self.n_layer if self.n_layer else 0
+
+    @property
+    def ram(self) -> int:
+        return self.weights_ram + self.kv - self.kv_gpu + (0 if self.n_offloaded else self.compute)
+
+    @property
+    def gpu(self) -> int:
+        return self.weights_gpu + self.kv_gpu + (self.compute if self.n_offloaded else 0)
 
     @property
     def total(self) -> int:
-        return self.weights_ram + self.weights_gpu + self.kv + self.compute
+        return self.ram + self.gpu
 
 
 @dataclass
@@ -47,6 +62,8 @@ class MemoryPlan:
     draft: Optional[ModelPlan]
     available_ram: int
     unified_memory: bool
+    # free memory of the discrete GPUs as llama.cpp reports it; None when nothing is offloaded
+    available_gpu: Optional[int] = None
     notes: list[str] = field(default_factory=list)
 
     @property
@@ -55,24 +72,37 @@ class MemoryPlan:
 
     @property
     def needed_ram(self) -> int:
-        # offloaded weights live in RAM too on Apple silicon (one pool) and are not counted twice
-        return sum(m.weights_ram + m.kv + m.compute + (m.weights_gpu if self.unified_memory else 0)
-                   for m in self.models)
+        # on Apple silicon the GPU's share is the same pool of memory, so it is counted here, once
+        return sum(m.total if self.unified_memory else m.ram for m in self.models)
+
+    @property
+    def needed_gpu(self) -> int:
+        return 0 if self.unified_memory else sum(m.gpu for m in self.models)
+
+    @property
+    def gpu_short(self) -> int:
+        if self.available_gpu is None:
+            return 0
+        return max(0, self.needed_gpu - self.available_gpu)
 
     @property
     def fits(self) -> bool:
-        return self.needed_ram <= self.available_ram
+        return self.needed_ram <= self.available_ram and self.gpu_short == 0
 
     def describe(self) -> str:
         lines = []
         for role, m in (("target", self.target), ("draft", self.draft)):
             if m is not None:
                 lines.append(f"{role} {m.name}: weights {m.weights_ram / GiB:.2f} GiB in RAM + "
-                             f"{m.weights_gpu / GiB:.2f} GiB offloaded, KV cache {m.kv / GiB:.2f} GiB, "
-                             f"compute {m.compute / GiB:.2f} GiB")
-        share = f" (draft {self.draft.total / max(1, self.needed_ram):.0%})" if self.draft else ""
+                             f"{m.weights_gpu / GiB:.2f} GiB offloaded ({m.n_offloaded}/{m.n_layer} layers), "
+                             f"KV cache {m.kv / GiB:.2f} GiB, compute {m.compute / GiB:.2f} GiB")
+        both = sum(m.total for m in self.models)
+        share = f" (draft {self.draft.total / max(1, both):.0%} of it)" if self.draft else ""
         lines.append(f"needed {self.needed_ram / GiB:.2f} GiB of RAM{share}, available "
                      f"{self.available_ram / GiB:.2f} GiB" + (" (unified memory)" if self.unified_memory else ""))
+        if self.needed_gpu:
+            free = "unknown" if self.available_gpu is None else f"{self.available_gpu / GiB:.2f} GiB"
+            lines.append(f"needed {self.needed_gpu / GiB:.2f} GiB of GPU memory, free {free}")
         return "\n".join(lines + self.notes)
 
 
@@ -104,7 +134,7 @@ def model_plan(path: Path, settings: ModelSettings, gpu_offload: bool = False) -
     n_vocab = len(f.get("tokenizer.ggml.tokens") or [])
     # logits for a batch, attention scores for one micro-batch, and a fixed margin for graph buffers
     compute = n_vocab * n_batch * 4 + n_batch * n_ctx * n_head * 4 + 64 * 1024 ** 2
-    return ModelPlan(path.name, ram, gpu, kv, compute)
+    return ModelPlan(path.name, ram, gpu, kv, compute, n_layer, n_offload)
 
 
 def available_memory() -> tuple[int, bool]:
@@ -121,33 +151,72 @@ def available_memory() -> tuple[int, bool]:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES"), False
 
 
+def gpu_memory() -> tuple[Optional[int], Optional[int], list[str]]:
+    """(free bytes of the discrete GPUs, free bytes of an integrated/unified GPU, their names),
+    as llama.cpp's backends report them; None where there is no such device."""
+    found = [d for d in devices() if d.kind in ("gpu", "igpu")]
+    discrete = [d.free for d in found if d.discrete]
+    unified = [d.free for d in found if not d.discrete]
+    return (sum(discrete) if discrete else None, min(unified) if unified else None,
+            [f"{d.name} ({d.description})" for d in found])
+
+
 def make_plan(target: Path, draft: Optional[Path], target_settings: ModelSettings,
               draft_settings: Optional[ModelSettings] = None, *, gpu_offload: bool = False,
-              available: Optional[int] = None) -> MemoryPlan:
+              available: Optional[int] = None, available_gpu: Optional[int] = None) -> MemoryPlan:
     """The memory plan for a target and optional draft, each with its own settings
-    (the draft's default to the target's)."""
+    (the draft's default to the target's).
+
+    Args:
+        gpu_offload: whether llama.cpp has a GPU backend, so n_gpu_layers takes effect.
+        available, available_gpu: free RAM and discrete-GPU memory to plan against; by default
+            what the system and llama.cpp's GPU backends report now.
+    """
     ram, unified = available_memory()
+    notes = []
     t = model_plan(target, target_settings, gpu_offload)
     d = model_plan(draft, draft_settings or target_settings, gpu_offload) if draft is not None else None
-    return MemoryPlan(t, d, ram if available is None else available, unified)
+    if gpu_offload and available_gpu is None:
+        discrete, shared, names = gpu_memory()
+        if shared is not None:  # Metal's free working set: what the GPU may still take of the one pool
+            ram, unified = min(ram, shared) if not unified else shared, True
+        available_gpu = discrete
+        notes.append("GPU: " + (", ".join(names) or "none reported by llama.cpp"))
+    return MemoryPlan(t, d, ram if available is None else available, unified,
+                      available_gpu if gpu_offload else None, notes)
 
 
 def ways_out(plan: MemoryPlan, n_ctx: int) -> list[str]:
     """Concrete ways to fit, cheapest first, each with what it saves."""
-    short = plan.needed_ram - plan.available_ram
     out = []
     kv = sum(m.kv for m in plan.models)
     if n_ctx > 2048:
         saved = kv * (1 - 2048 / n_ctx)
         out.append(f"a smaller context: n_ctx=2048 saves {saved / GiB:.2f} GiB")
     out.append(f"a q8_0 KV cache: type_k='q8_0', type_v='q8_0', flash_attn=True saves {kv * 0.47 / GiB:.2f} GiB")
+    if plan.draft is not None and plan.draft.n_offloaded and not plan.unified_memory:
+        out.append(f"the draft on the CPU: draft_n_gpu_layers=0 frees {plan.draft.gpu / GiB:.2f} GiB of GPU memory")
+    if plan.gpu_short:
+        n_layers = _target_layers_that_fit(plan)
+        out.append(f"fewer target layers on the GPU: n_gpu_layers={n_layers} (of {plan.target.n_layer}) fits; "
+                   "the rest run on the CPU, slower")
     if plan.draft is not None:
-        if plan.draft.weights_gpu:
-            out.append("the draft on the CPU: draft_n_gpu_layers=0")
         out.append("a smaller draft model")
         out.append(f"no draft model: draft='ngram' (prompt lookup needs no memory) saves {plan.draft.total / GiB:.2f} GiB")
-    out.append(f"(short by {short / GiB:.2f} GiB)")
+    short = []
+    if plan.needed_ram > plan.available_ram:
+        short.append(f"{(plan.needed_ram - plan.available_ram) / GiB:.2f} GiB of RAM")
+    if plan.gpu_short:
+        short.append(f"{plan.gpu_short / GiB:.2f} GiB of GPU memory")
+    out.append(f"(short by {' and '.join(short)})")
     return out
+
+
+def _target_layers_that_fit(plan: MemoryPlan) -> int:
+    """The most target layers the GPU holds beside everything else planned for it."""
+    t = plan.target
+    per_layer = (t.weights_gpu + t.kv_gpu) / max(1, t.n_offloaded)
+    return max(0, t.n_offloaded - math.ceil(plan.gpu_short / per_layer)) if per_layer else 0
 
 
 def check(plan: MemoryPlan, n_ctx: int) -> None:

@@ -20,7 +20,9 @@ from typing import Any, Optional, Union
 
 import llama_cpp
 import numpy as np
+import psutil
 from gguf import GGMLQuantizationType
+from llama_cpp._ggml import libggml
 
 from . import gguf_check
 from .errors import ContextFullError, DecodeError, InvalidModelFileError, InvalidParameterError
@@ -72,6 +74,80 @@ class ModelSettings:
             value = getattr(self, name)
             if value is not None and value not in KV_CACHE_TYPES:
                 raise InvalidParameterError(name, value, f"one of {', '.join(KV_CACHE_TYPES)} or None")
+
+
+@dataclass(frozen=True)
+class Device:
+    """A compute device llama.cpp found, with its memory as the backend reports it."""
+
+    name: str
+    description: str
+    kind: str  # "cpu", "gpu" (own memory), "igpu" (shares system memory), "accel" or "meta"
+    free: int
+    total: int
+
+    @property
+    def discrete(self) -> bool:
+        """A GPU with its own memory; on Apple silicon the GPU shares the one pool of RAM."""
+        return self.kind == "gpu" and sys.platform != "darwin"
+
+
+_DEVICE_KINDS = ("cpu", "gpu", "igpu", "accel", "meta")  # enum ggml_backend_dev_type, in order
+
+
+def _bind(name: str, restype: Any, *argtypes: Any) -> Any:
+    function = getattr(libggml, name)
+    function.restype, function.argtypes = restype, list(argtypes)
+    return function
+
+
+# llama-cpp-python binds llama.h only; the device registry lives in ggml-backend.h.
+_dev_count = _bind("ggml_backend_dev_count", ctypes.c_size_t)
+_dev_get = _bind("ggml_backend_dev_get", ctypes.c_void_p, ctypes.c_size_t)
+_dev_name = _bind("ggml_backend_dev_name", ctypes.c_char_p, ctypes.c_void_p)
+_dev_description = _bind("ggml_backend_dev_description", ctypes.c_char_p, ctypes.c_void_p)
+_dev_type = _bind("ggml_backend_dev_type", ctypes.c_int, ctypes.c_void_p)
+_dev_memory = _bind("ggml_backend_dev_memory", None, ctypes.c_void_p,
+                    ctypes.POINTER(ctypes.c_size_t), ctypes.POINTER(ctypes.c_size_t))
+
+
+def devices() -> list[Device]:
+    """Every device llama.cpp can use, with free and total memory as its backend reports them
+    (CUDA and Metal report what is free right now; the CPU reports physical memory)."""
+    _init_backend()
+    out = []
+    for i in range(_dev_count()):
+        dev = _dev_get(i)
+        free, total = ctypes.c_size_t(0), ctypes.c_size_t(0)
+        _dev_memory(dev, ctypes.byref(free), ctypes.byref(total))
+        kind = _dev_type(dev)
+        out.append(Device(_dev_name(dev).decode("utf-8", "replace"),
+                          (_dev_description(dev) or b"").decode("utf-8", "replace"),
+                          _DEVICE_KINDS[kind] if 0 <= kind < len(_DEVICE_KINDS) else f"type {kind}",
+                          free.value, total.value))
+    return out
+
+
+@dataclass(frozen=True)
+class MemoryUse:
+    """Memory one model took when it loaded: resident RAM of this process (mapped weights,
+    KV cache, buffers) and GPU memory, both measured before and after."""
+
+    ram: int
+    gpu: int
+
+    @property
+    def total(self) -> int:
+        return self.ram + self.gpu
+
+
+def resident_bytes() -> int:
+    """This process's resident memory now."""
+    return psutil.Process().memory_info().rss
+
+
+def _gpu_free() -> int:
+    return sum(d.free for d in devices() if d.discrete)
 
 
 class _LogSink:
@@ -181,6 +257,8 @@ class Runtime:
         self._n_rows = 0  # logit rows requested by the last decode
         self._pieces: dict[int, bytes] = {}
         self.cached: list[int] = []  # exactly the tokens at positions 0.. of the KV cache
+        # measured by load(); None for a borrowed model, whose loading we did not see
+        self.memory_use: Optional[MemoryUse] = None
         llama_cpp.llama_memory_clear(self._mem, True)
 
     @classmethod
@@ -191,12 +269,15 @@ class Runtime:
         _LOG_SINK.verbose = settings.verbose
         stack = ExitStack()
         try:
+            ram0, gpu_free0 = resident_bytes(), _gpu_free()
             model = _Model(path, settings, stack)
             ctx = _Context(model.ptr, settings, stack)
             stat = path.stat()
             identity = "|".join([str(path.resolve()), str(stat.st_size), str(stat.st_mtime_ns), repr(settings),
                                  llama_cpp.__version__, _system_info()])
-            return cls(model.ptr, ctx.ptr, path.name, stack, identity)
+            runtime = cls(model.ptr, ctx.ptr, path.name, stack, identity)
+            runtime.memory_use = MemoryUse(max(0, resident_bytes() - ram0), max(0, gpu_free0 - _gpu_free()))
+            return runtime
         except BaseException:
             stack.close()
             raise

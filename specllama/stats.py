@@ -22,6 +22,11 @@ class Stats:
     t_draft: float = 0.0
     t_verify: float = 0.0
     t_total: float = 0.0
+    # memory measured when each model loaded (RAM + GPU; 0 when not measured, e.g. borrowed),
+    # and this process's resident memory when the generation ended
+    n_bytes_target: int = 0
+    n_bytes_draft: int = 0
+    n_bytes_resident: int = 0
 
     def record_round(self, n_drafted: int, n_accepted: int) -> None:
         self.n_rounds += 1
@@ -47,6 +52,12 @@ class Stats:
         return [a / d for a, d in zip(self.accepted_at, self.drafted_at)]
 
     @property
+    def draft_memory_share(self) -> float:
+        """The draft's part of the memory both models took when they loaded."""
+        both = self.n_bytes_target + self.n_bytes_draft
+        return self.n_bytes_draft / both if both else 0.0
+
+    @property
     def t_decode(self) -> float:
         return self.t_total - self.t_prefill
 
@@ -62,8 +73,8 @@ class Stats:
 
     def as_dict(self) -> dict:
         out = asdict(self)
-        for name in ("acceptance_rate", "tokens_per_round", "acceptance_by_position", "t_decode",
-                     "t_other", "decode_tokens_per_second"):
+        for name in ("acceptance_rate", "tokens_per_round", "acceptance_by_position", "draft_memory_share",
+                     "t_decode", "t_other", "decode_tokens_per_second"):
             out[name] = getattr(self, name)
         return out
 
@@ -73,4 +84,8 @@ class Stats:
         if self.n_drafted:
             line += (f", acceptance {self.acceptance_rate:.0%} ({self.n_accepted}/{self.n_drafted}), "
                      f"{self.tokens_per_round:.2f} tokens/round, up to {self.n_draft_max} drafted")
+        if self.n_bytes_resident:
+            line += f", {self.n_bytes_resident / 2**30:.2f} GiB resident"
+            if self.n_bytes_draft:
+                line += f" (draft {self.n_bytes_draft / 2**30:.2f} GiB, {self.draft_memory_share:.0%} of the models)"
         return line
