@@ -212,3 +212,27 @@ def test_unreachable_hub_falls_back_to_models_on_disk(model_paths, tmp_path):
     assert decision.draft_path is not None and "0.5b" in decision.draft_path
     remote = [c for c in decision.candidates if c.repo_id]
     assert remote and all("cannot reach the Hub" in c.reason for c in remote)
+
+
+def _can_mount_a_small_disk() -> bool:
+    if not shutil.which("unshare"):
+        return False
+    probe = subprocess.run(["unshare", "-Urm", "sh", "-c", "mount -t tmpfs -o size=64k tmpfs /mnt"],
+                           capture_output=True)
+    return probe.returncode == 0
+
+
+@pytest.mark.skipif(not _can_mount_a_small_disk(), reason="needs unshare and user namespaces (Linux)")
+def test_a_full_disk_is_reported_as_such(server, hub_env):
+    """A real full disk: the Hub cache is a 32 MiB tmpfs mounted in a private user+mount namespace,
+    and the 0.5B draft (469 MiB) is downloaded into it through the CLI."""
+    hub_env.mkdir(parents=True)
+    script = (f"mount -t tmpfs -o size=32m tmpfs '{hub_env}' && "
+              f"'{sys.executable}' -m specllama run {DRAFT_REPO} hello --draft none --max-tokens 1; "
+              f"echo \"exit=$?\"; find '{hub_env}' -type f -size +1M")
+    proc = subprocess.run(["unshare", "-Urm", "sh", "-c", script], capture_output=True, text=True, timeout=300)
+    assert "exit=1" in proc.stdout, proc.stdout + proc.stderr
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("Error:")]
+    assert len(errors) == 1 and "no space left on device" in errors[0] and "HF_HOME" in errors[0], proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert proc.stdout.strip().endswith("exit=1"), "a partial download was left in the cache:\n" + proc.stdout
