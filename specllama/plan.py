@@ -8,12 +8,13 @@ cache types, and an allowance for compute buffers.
 from __future__ import annotations
 
 import math
-import os
 import re
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
+
+import psutil
 
 from . import gguf_check
 from .errors import SpecLlamaError
@@ -138,17 +139,8 @@ def model_plan(path: Path, settings: ModelSettings, gpu_offload: bool = False) -
 
 
 def available_memory() -> tuple[int, bool]:
-    """(bytes of RAM available to us, whether memory is unified with the GPU)."""
-    if sys.platform == "darwin":
-        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-        return int(total * 0.75), True  # Metal's default working-set limit is about 3/4 of RAM
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024, False
-    except OSError:
-        pass
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES"), False
+    """(bytes of RAM available now, whether memory is unified with the GPU: Apple silicon)."""
+    return psutil.virtual_memory().available, sys.platform == "darwin"
 
 
 def gpu_memory() -> tuple[Optional[int], Optional[int], list[str]]:
@@ -178,8 +170,8 @@ def make_plan(target: Path, draft: Optional[Path], target_settings: ModelSetting
     d = model_plan(draft, draft_settings or target_settings, gpu_offload) if draft is not None else None
     if gpu_offload and available_gpu is None:
         discrete, shared, names = gpu_memory()
-        if shared is not None:  # Metal's free working set: what the GPU may still take of the one pool
-            ram, unified = min(ram, shared) if not unified else shared, True
+        if shared is not None:  # Metal's free working set bounds what the GPU may take of the one pool
+            ram, unified = min(ram, shared), True
         available_gpu = discrete
         notes.append("GPU: " + (", ".join(names) or "none reported by llama.cpp"))
     return MemoryPlan(t, d, ram if available is None else available, unified,
