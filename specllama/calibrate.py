@@ -1,9 +1,8 @@
 """Measurements of the target on this machine, cached so each runs once per model and settings.
 
-invariant_batch_size: the largest verify batch whose logits are bitwise identical to decoding
-the same tokens one at a time. llama.cpp picks kernels by batch size (on our CPUs Q4_K rows
-change by ~0.4 logits from 4 tokens on), so greedy output is only guaranteed identical to the
-target alone when every verify pass stays within this size.
+batch_diffs: how far logits of rows verified in a batch of b tokens stray from decoding the
+same rows one at a time, at the KV length the generation has reached (fidelity.py turns this
+into each round's verify-size limit). costs: the decode times the draft controller weighs.
 """
 
 from __future__ import annotations
@@ -16,13 +15,14 @@ import numpy as np
 
 from . import paths
 from .controller import Costs
+from .fidelity import KV_PAD, MAX_VERIFY, BatchDiffs, kv_group, kv_length
 from .runtime import Runtime
 
 log = logging.getLogger("specllama")
 
 PROBE_TEXT = ("The lighthouse on the northern cape was built in 1843. def area(r): return 3.14159 * r * r\n"
               '{"name": "Maria", "age": 34, "city": "Lisbon"} and then the keepers wrote in their logs')
-N_CONTEXT = 8  # tokens in the cache before the probed rows, as in a real round
+N_CONTEXT = 8  # tokens in the cache before the probed rows when nothing else is there
 
 
 def _load(key: str) -> dict | None:
@@ -33,41 +33,94 @@ def _store(key: str, value: dict) -> None:
     paths.write_cached("calibration.json", key, value)
 
 
-def probe_invariant_batch_size(target: Runtime, max_batch: int) -> int:
-    """Measure the largest b <= max_batch such that every batch of 2..b tokens gives, row for
-    row, bitwise the logits of single-token decoding. Clears target's KV cache."""
+def _max_abs_diff(a: np.ndarray, b: np.ndarray) -> float:
+    d = float(np.max(np.abs(a - b)))
+    return d if np.isfinite(d) else float("inf")
+
+
+def probe_batch_diffs(target: Runtime, n_past: int, bound: float, max_batch: int = MAX_VERIFY) -> BatchDiffs:
+    """Teacher-forced probe at the KV length of n_past cached tokens.
+
+    Decodes max_batch probe tokens one at a time, then the same tokens again as one batch of
+    b = 2, 3, ... tokens, comparing every row (later rows attend to the batch's own KV, so
+    the drift a batch leaves in the cache is included). Stops after the first size that
+    differs by more than bound. The cache is back at n_past tokens afterwards.
+    """
+    max_batch = min(max_batch, target.n_ctx - n_past)  # a small context has room for fewer rows
     tokens = target.tokenize(PROBE_TEXT, add_special=False)
-    while len(tokens) < N_CONTEXT + max_batch:
+    while len(tokens) < max_batch:
         tokens = tokens + tokens
-    prefix, probe = tokens[:N_CONTEXT], tokens[N_CONTEXT:N_CONTEXT + max_batch]
-    target.truncate(0)
-    target.decode(prefix)
-    single = []
-    for token in probe:
-        target.decode([token])
-        single.append(target.logits(0).copy())
-    best = 1
-    for n in range(2, max_batch + 1):
-        target.truncate(N_CONTEXT)
-        target.decode(probe[:n], n_logits=n)
-        if not all(np.array_equal(target.logits(i), single[i]) for i in range(n)):
-            break
-        best = n
-    target.truncate(0)
-    return best
+    tokens = tokens[:max(max_batch, 0)]
+    t_start = time.perf_counter()
+    target.truncate(n_past)
+    single, times = [], []
+    diffs: list[float] = []
+    try:
+        for token in tokens:
+            t0 = time.perf_counter()
+            target.decode([token])
+            times.append(time.perf_counter() - t0)
+            single.append(target.logits(0).copy())
+        verify_seconds = [float(np.median(times))]
+        for b in range(2, max_batch + 1):
+            target.truncate(n_past)
+            t0 = time.perf_counter()
+            target.decode(tokens[:b], n_logits=b)
+            verify_seconds.append(time.perf_counter() - t0)
+            diffs.append(max(_max_abs_diff(target.logits(i), single[i]) for i in range(b)))
+            if diffs[-1] > bound:
+                break
+    finally:
+        target.truncate(n_past)
+    return BatchDiffs(kv_length(n_past + 1, target.n_ctx), tuple(diffs), len(diffs) >= max_batch - 1,
+                      time.perf_counter() - t_start, tuple(verify_seconds))
 
 
-def invariant_batch_size(target: Runtime, max_batch: int) -> int:
-    """probe_invariant_batch_size, cached per model file, settings and llama.cpp build."""
-    key = f"invariant_batch|{target.identity}|{max_batch}"
+def batch_diffs(target: Runtime, n_past: int, bound: float) -> BatchDiffs:
+    """probe_batch_diffs for the KV group of n_past, cached per model file, settings and
+    llama.cpp build. n_past = 0 probes after a few tokens of its own (the short context)."""
+    key = f"batch_diffs|{target.identity}|{kv_group(kv_length(max(n_past, N_CONTEXT) + 1, target.n_ctx))}"
     cached = _load(key)
     if cached is not None:
-        return int(cached["batch"])
-    batch = probe_invariant_batch_size(target, max_batch)
-    log.info("%s: verify batches up to %d tokens are bitwise identical to single-token decoding",
-             target.name, batch)
-    _store(key, {"batch": batch})
-    return batch
+        diffs = BatchDiffs(cached["n_kv"], tuple(cached["diffs"]), cached["complete"], cached["seconds"],
+                           tuple(cached["verify_seconds"]))
+        if diffs.covers(bound):
+            return diffs
+    if n_past == 0:
+        target.truncate(0)
+        target.decode(target.tokenize(PROBE_TEXT, add_special=False)[:N_CONTEXT])
+        n_past = N_CONTEXT
+        try:
+            diffs = probe_batch_diffs(target, n_past, bound)
+        finally:
+            target.truncate(0)
+    else:
+        diffs = probe_batch_diffs(target, n_past, bound)
+    log.info("%s at KV length %d: verify batches differ from single-token rows by %s (measured in %.1f s)",
+             target.name, diffs.n_kv, ", ".join(f"{b}: {d:.3g}" for b, d in enumerate(diffs.diffs, 2)),
+             diffs.seconds)
+    _store(key, diffs.as_dict())
+    return diffs
+
+
+def calibrate_fidelity(target: Runtime, n_groups: int = 4, bound: float = float("inf")) -> list[BatchDiffs]:
+    """batch_diffs at the start of KV groups 0..n_groups-1 (KV lengths 256, 512, 768, 1280, ...),
+    the cache filled with probe text to get there. Measures every size unless bound is given.
+    Clears the target's cache."""
+    filler = target.tokenize(PROBE_TEXT, add_special=False)
+    out = [batch_diffs(target, 0, bound)]
+    try:
+        for group in range(1, n_groups):
+            n_past = KV_PAD << (group - 1)  # rows from here on attend over KV length 512, 768, 1280, ...
+            if n_past + MAX_VERIFY > target.n_ctx:
+                break
+            text = filler * (n_past // len(filler) + 1)
+            target.sync(text[:n_past + 1])  # extends what the previous group left in the cache
+            target.truncate(n_past)
+            out.append(batch_diffs(target, n_past, bound))
+    finally:
+        target.truncate(0)
+    return out
 
 
 VERIFY_SIZES = (1, 2, 3, 4, 5, 6, 8, 12, 16)

@@ -47,9 +47,11 @@ def _model_options(f):
                      help="Target layers to offload to Metal/CUDA (-1 = all)."),
         click.option("--draft-gpu-layers", "draft_n_gpu_layers", type=int, default=None,
                      help="Draft layers to offload (default: same as --gpu-layers)."),
-        click.option("--inexact", is_flag=True,
-                     help="Verify drafts in batches larger than the size measured to match the target "
-                          "bit for bit (faster on some backends; near-ties may resolve differently)."),
+        click.option("--exact", "exact", type=click.Choice(["bitwise", "rounding", "off"]), default="rounding",
+                     show_default=True,
+                     help="Fidelity: bitwise = token for token the target alone at any length; rounding = "
+                          "verify batches that differ by float rounding only (near-ties counted); off = no limit."),
+        click.option("--inexact", is_flag=True, hidden=True, help="Same as --exact off."),
         click.option("-v", "--verbose", is_flag=True, help="Show llama.cpp logs and full tracebacks."),
     ]):
         f = option(f)
@@ -57,7 +59,7 @@ def _model_options(f):
 
 
 def _load(model: str, draft: str, n_draft: Optional[int], n_ctx: int, n_threads: Optional[int],
-          n_gpu_layers: int, draft_n_gpu_layers: Optional[int], inexact: bool, verbose: bool):
+          n_gpu_layers: int, draft_n_gpu_layers: Optional[int], exact: str, inexact: bool, verbose: bool):
     from .draft_select import resolve_pair
     from .engine import load
 
@@ -69,7 +71,7 @@ def _load(model: str, draft: str, n_draft: Optional[int], n_ctx: int, n_threads:
     if draft_n_gpu_layers is not None:
         settings["draft_n_gpu_layers"] = draft_n_gpu_layers
     kwargs = {} if n_draft is None else {"n_draft": n_draft if n_draft == "auto" else _int_option("--n-draft", n_draft)}
-    return load(target_path, "ngram" if ngram else draft_path, exact=not inexact, **kwargs, **settings)
+    return load(target_path, "ngram" if ngram else draft_path, exact="off" if inexact else exact, **kwargs, **settings)
 
 
 @main.command()
@@ -86,11 +88,14 @@ def _load(model: str, draft: str, n_draft: Optional[int], n_ctx: int, n_threads:
 @click.option("--raw", is_flag=True, help="Send the prompt as is, without the model's chat template.")
 @click.option("--system", default=None, help="System message for the chat template.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON result instead of streaming text.")
+@click.option("--compare", is_flag=True,
+              help="Then decode the same prompt plainly (target alone) and show both speeds side by side.")
 @click.pass_context
 def run(ctx: click.Context, model: str, prompt: Optional[str], draft: str, n_draft: Optional[int], n_ctx: int,
-        n_threads: Optional[int], n_gpu_layers: int, draft_n_gpu_layers: Optional[int], inexact: bool,
+        n_threads: Optional[int], n_gpu_layers: int, draft_n_gpu_layers: Optional[int], exact: str, inexact: bool,
         verbose: bool, max_tokens: int, temperature: float, top_k: int, top_p: float, min_p: float,
-        seed: Optional[int], stop: tuple[str, ...], raw: bool, system: Optional[str], as_json: bool) -> None:
+        seed: Optional[int], stop: tuple[str, ...], raw: bool, system: Optional[str], as_json: bool,
+        compare: bool) -> None:
     """Generate from MODEL (a .gguf path, repo id or alias), streaming text to stdout.
 
     PROMPT comes from the argument or, if absent, from stdin. Stats go to stderr.
@@ -101,16 +106,17 @@ def run(ctx: click.Context, model: str, prompt: Optional[str], draft: str, n_dra
         if sys.stdin.isatty():
             raise click.UsageError("give a PROMPT argument or pipe one on stdin")
         prompt = sys.stdin.read()
-    llm = _load(model, draft, n_draft, n_ctx, n_threads, n_gpu_layers, draft_n_gpu_layers, inexact, verbose)
+    llm = _load(model, draft, n_draft, n_ctx, n_threads, n_gpu_layers, draft_n_gpu_layers, exact, inexact, verbose)
     with llm:
         options = dict(max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
                        min_p=min_p, seed=seed, stop=list(stop))
         use_chat = not raw and llm.target.chat_template() is not None
         if use_chat:
             messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
-            stream = llm.chat_stream(messages, **options)
+            tokens = llm.chat_tokens(messages)
         else:
-            stream = llm.stream(prompt, **options)
+            tokens = llm.tokenize(prompt)
+        stream = llm.stream(tokens, **options)
         status = _StatusLine(llm) if (sys.stderr.isatty() and not as_json) else None
         for chunk in stream:
             if not as_json:
@@ -121,28 +127,79 @@ def run(ctx: click.Context, model: str, prompt: Optional[str], draft: str, n_dra
         result = stream.result
         if status is not None:
             status.clear()
+        plain = None
+        if compare:
+            if not as_json:
+                click.echo()
+                click.echo("[decoding the same prompt plainly to compare ...]", err=True)
+            plain = llm.generate(tokens, **{**options, "n_draft": 0})
+        why_not = _why_not_speculating(llm, result.stats)
         if as_json:
-            click.echo(json.dumps({
-                "text": result.text, "tokens": result.tokens, "finish_reason": result.finish_reason,
-                "stats": result.stats.as_dict(),
-                "models": {"target": llm.target.name, "draft": llm.draft.name if llm.draft else None},
-            }))
-        else:
-            click.echo()
-            draft_name = llm.draft.name if llm.draft else ("prompt lookup" if llm.lookup else "no draft")
-            if llm.speculates and result.stats.n_draft_max == 0:
-                draft_name += ": not used, no draft length beats plain decoding here"
-            click.echo(f"[{draft_name}] {result.stats.summary()}, finish: {result.finish_reason}", err=True)
+            out = {"text": result.text, "tokens": result.tokens, "finish_reason": result.finish_reason,
+                   "stats": result.stats.as_dict(),
+                   "models": {"target": llm.target.name, "draft": llm.draft.name if llm.draft else None},
+                   "speculation_off_because": why_not}
+            if plain is not None:
+                out["plain"] = {"stats": plain.stats.as_dict(), "identical": plain.tokens == result.tokens,
+                                "speedup": _speedup(result, plain)}
+            click.echo(json.dumps(out))
+            return
+        click.echo()
+        draft_name = llm.draft.name if llm.draft else ("prompt lookup" if llm.lookup else "no draft")
+        click.echo(f"[{draft_name}] {result.stats.summary()}, finish: {result.finish_reason}", err=True)
+        if why_not:
+            click.echo(f"speculation off: {why_not}", err=True)
+        if plain is not None:
+            _print_comparison(result, plain)
+
+
+def _speedup(spec: Any, plain: Any) -> float:
+    rate = plain.stats.decode_tokens_per_second
+    return spec.stats.decode_tokens_per_second / rate if rate else 0.0
+
+
+def _print_comparison(spec: Any, plain: Any) -> None:
+    s, p = spec.stats, plain.stats
+    click.echo(f"speculative: {s.n_generated} tokens at {s.decode_tokens_per_second:.1f} tok/s"
+               + (f" ({s.n_accepted} of {s.n_drafted} drafts accepted, {s.n_lookup_rounds} rounds from prompt "
+                  f"lookup)" if s.n_drafted else ""), err=True)
+    click.echo(f"plain:       {p.n_generated} tokens at {p.decode_tokens_per_second:.1f} tok/s", err=True)
+    if plain.tokens == spec.tokens:
+        same = "the same output, token for token"
+    else:
+        first = next((i for i, (a, b) in enumerate(zip(spec.tokens, plain.tokens)) if a != b),
+                     min(len(spec.tokens), len(plain.tokens)))
+        counted = "a near-tie it counted" if first in s.near_tie_positions else "NOT a counted near-tie"
+        same = f"outputs differ from token {first} on, {counted} ({s.fidelity} level)"
+    click.echo(f"speedup:     {_speedup(spec, plain):.2f}x, {same}", err=True)
+
+
+def _why_not_speculating(llm: Any, stats: Any) -> Optional[str]:
+    """One line on why a generation drafted nothing, or None when it drafted."""
+    if stats.n_drafted:
+        return None
+    if not llm.speculates:
+        return "no draft model (--draft auto found none, or --draft none)"
+    if stats.verify_limits and max(stats.verify_limits.values()) <= 1:
+        return (f"the {stats.fidelity} fidelity level allows no verify batch on this backend "
+                f"(--exact rounding or off allows drafting)")
+    c = stats.controller
+    if c.get("kind") == "auto" and not c.get("draft_model"):
+        v = c.get("v_ms", {})
+        return (f"no draft length beats plain decoding on this machine: the target takes {v.get(1)} ms for one "
+                f"token and {v.get(2)} ms to verify two, the draft {c.get('draft_token_ms')} ms a token"
+                + ("; prompt lookup found nothing to copy" if c.get("lookup") else ""))
+    return "no round was predicted to gain from drafting (acceptance too low for this text)"
 
 
 def _setup_logging(verbose: bool) -> None:
-    """specllama's own warnings as "specllama: ..." on stderr; other libraries' only with --verbose."""
+    """specllama's own notes as "specllama: ..." on stderr; other libraries' only with --verbose."""
     logger = logging.getLogger("specllama")
     if not logger.handlers:
         handler = logging.StreamHandler()
         handler.setFormatter(logging.Formatter("specllama: %(message)s"))
         logger.addHandler(handler)
-    logger.setLevel(logging.INFO if verbose else logging.WARNING)
+    logger.setLevel(logging.INFO)
     logger.propagate = False
     if not verbose:
         logging.getLogger("huggingface_hub").setLevel(logging.ERROR)
@@ -174,8 +231,11 @@ class _StatusLine:
         self.t_last = now
         rate = self.n_tokens / max(now - self.t_start, 1e-9)
         share = self.n_from_draft / self.n_tokens if self.n_tokens else 0.0
+        n_ties = len(stream.stats.near_tie_positions) if stream.stats is not None else 0
+        ties = f", {n_ties} near-ties" if n_ties else ""
         # save cursor, jump to the last column's line start is not portable; use a title-free \r line
-        sys.stderr.write(f"\0337\r\n\033[2K  {self.n_tokens} tok, {rate:.1f} tok/s, {share:.0%} drafted ({self.draft})\0338")
+        sys.stderr.write(f"\0337\r\n\033[2K  {self.n_tokens} tok, {rate:.1f} tok/s, {share:.0%} drafted "
+                         f"({self.draft}){ties}\0338")
         sys.stderr.flush()
 
     def clear(self) -> None:
@@ -259,13 +319,16 @@ def models_cmd(as_json: bool) -> None:
 @click.option("--ctx", "n_ctx", type=int, default=4096, show_default=True)
 @click.option("--threads", "n_threads", type=int, default=None)
 @click.option("--gpu-layers", "n_gpu_layers", type=int, default=-1, show_default=True)
+@click.option("--kv-groups", type=click.IntRange(1, 8), default=4, show_default=True,
+              help="KV lengths to measure fidelity at: 256, 512, 768, 1280, ... (each longer one prefills more).")
 @click.option("--json", "as_json", is_flag=True)
 def calibrate_cmd(model: str, draft: str, n_ctx: int, n_threads: Optional[int], n_gpu_layers: int,
-                  as_json: bool) -> None:
-    """Measure (and cache) this machine's decode costs and exact verify batch size for MODEL."""
-    from .calibrate import measure_costs, _store, invariant_batch_size
+                  kv_groups: int, as_json: bool) -> None:
+    """Measure (and cache) MODEL's verify-batch fidelity per KV length and this machine's decode costs."""
+    from .calibrate import calibrate_fidelity, measure_costs, _store
     from .draft_select import resolve_pair
-    from .engine import MAX_AUTO_DRAFT, MAX_N_DRAFT
+    from .engine import MAX_AUTO_DRAFT
+    from .fidelity import LEVELS, group_label, kv_group
     from .runtime import ModelSettings, Runtime
 
     target_path, draft_path, notes = resolve_pair(model, draft)
@@ -275,19 +338,27 @@ def calibrate_cmd(model: str, draft: str, n_ctx: int, n_threads: Optional[int], 
     with Runtime.load(target_path, settings) as target:
         draft_rt = Runtime.load(draft_path, settings) if draft_path else None
         try:
-            batch = invariant_batch_size(target, MAX_N_DRAFT + 1)
+            fidelity = calibrate_fidelity(target, kv_groups)
             costs = measure_costs(target, draft_rt, MAX_AUTO_DRAFT + 1)
             key = f"costs|{target.identity}|{draft_rt.identity if draft_rt else '-'}|{MAX_AUTO_DRAFT + 1}"
             _store(key, {"verify": list(costs.verify), "draft_token": costs.draft_token})
         finally:
             if draft_rt is not None:
                 draft_rt.close()
+    levels = ("bitwise", "rounding")
+    rows = [{"kv": group_label(kv_group(f.n_kv)), **f.as_dict(),
+             **{f"max_verify_{name}": f.largest_batch(LEVELS[name].bound) for name in levels}} for f in fidelity]
     if as_json:
-        click.echo(json.dumps({"exact_verify_batch": batch, "verify_seconds": list(costs.verify),
-                               "draft_token_seconds": costs.draft_token}))
+        click.echo(json.dumps({"fidelity": rows, "rounding_bound": LEVELS["rounding"].bound,
+                               "verify_seconds": list(costs.verify), "draft_token_seconds": costs.draft_token}))
         return
-    click.echo(f"verify batches bitwise identical to one-token decoding: up to {batch} tokens "
-               f"(exact mode drafts at most {batch - 1})")
+    click.echo(f"largest |logit difference| of a verify batch of b tokens against single-token rows "
+               f"(rounding level allows <= {LEVELS['rounding'].bound:g}):")
+    for row in rows:
+        diffs = " ".join(f"{d:.3g}" for d in row["diffs"])
+        click.echo(f"  {row['kv']:>14}: b=2..{len(row['diffs']) + 1}: {diffs}")
+        click.echo(f"  {'':>14}  largest verify batch: bitwise {row['max_verify_bitwise']}, "
+                   f"rounding {row['max_verify_rounding']} (measured in {row['seconds']:.1f} s)")
     click.echo("target decode time by batch size: " +
                ", ".join(f"{n}: {costs.v(n) * 1000:.0f} ms" for n in (1, 2, 3, 4, 6, 8, 12, 16)))
     if draft_path:
@@ -304,8 +375,8 @@ def calibrate_cmd(model: str, draft: str, n_ctx: int, n_threads: Optional[int], 
 @click.option("--json", "as_json", is_flag=True)
 @click.pass_context
 def bench_cmd(ctx: click.Context, model: str, prompts_file: str, draft: str, n_draft: Optional[int], n_ctx: int,
-              n_threads: Optional[int], n_gpu_layers: int, draft_n_gpu_layers: Optional[int], inexact: bool,
-              verbose: bool, max_tokens: int, as_json: bool) -> None:
+              n_threads: Optional[int], n_gpu_layers: int, draft_n_gpu_layers: Optional[int], exact: str,
+              inexact: bool, verbose: bool, max_tokens: int, as_json: bool) -> None:
     """Run your own prompts plain vs speculative (auto and fixed lengths) and recommend settings."""
     ctx.meta["specllama.verbose"] = verbose
     prompts = []
@@ -321,9 +392,9 @@ def bench_cmd(ctx: click.Context, model: str, prompts_file: str, draft: str, n_d
         prompts.append(item)
     if not prompts:
         raise click.BadParameter("the file has no prompts", param_hint="--prompts")
-    llm = _load(model, draft, n_draft, n_ctx, n_threads, n_gpu_layers, draft_n_gpu_layers, inexact, verbose)
+    llm = _load(model, draft, n_draft, n_ctx, n_threads, n_gpu_layers, draft_n_gpu_layers, exact, inexact, verbose)
     configs: list[Any] = [0, "auto"] + ([2, 4, 8] if llm.speculates else [])
-    totals = {c: [0, 0.0] for c in configs}  # tokens, decode seconds
+    totals = {c: [0, 0.0, 0] for c in configs}  # tokens, decode seconds, near-ties
     with llm, click.progressbar(length=len(prompts) * len(configs), label="benchmarking",
                                 file=sys.stderr) as bar:
         for item in prompts:
@@ -332,17 +403,19 @@ def bench_cmd(ctx: click.Context, model: str, prompts_file: str, draft: str, n_d
                 r = llm.chat(item["messages"], **kwargs) if "messages" in item else llm.generate(item["prompt"], **kwargs)
                 totals[config][0] += max(0, r.stats.n_generated - 1)
                 totals[config][1] += r.stats.t_decode
+                totals[config][2] += r.stats.near_ties or 0
                 bar.update(1)
-    rates = {c: (n / t if t else 0.0) for c, (n, t) in totals.items()}
+    rates = {c: (n / t if t else 0.0) for c, (n, t, _) in totals.items()}
     plain = rates[0] or 1e-9
     best = max(configs, key=lambda c: rates[c])
-    rows = [{"n_draft": "plain" if c == 0 else c, "tokens_per_s": rates[c], "speedup": rates[c] / plain} for c in configs]
+    rows = [{"n_draft": "plain" if c == 0 else c, "tokens_per_s": rates[c], "speedup": rates[c] / plain,
+             "near_ties": totals[c][2]} for c in configs]
     if as_json:
-        click.echo(json.dumps({"results": rows, "recommended_n_draft": best}))
+        click.echo(json.dumps({"results": rows, "recommended_n_draft": best, "fidelity": exact}))
         return
-    click.echo(f"{'n_draft':>8} {'tok/s':>8} {'speedup':>8}")
+    click.echo(f"{'n_draft':>8} {'tok/s':>8} {'speedup':>8} {'near-ties':>9}   (fidelity: {exact})")
     for row in rows:
-        click.echo(f"{str(row['n_draft']):>8} {row['tokens_per_s']:8.1f} {row['speedup']:7.2f}x")
+        click.echo(f"{str(row['n_draft']):>8} {row['tokens_per_s']:8.1f} {row['speedup']:7.2f}x {row['near_ties']:9}")
     if best == 0:
         click.echo("recommended: no speculation on this machine for these prompts (--draft none)")
     else:
@@ -375,3 +448,105 @@ def plan_cmd(model: str, draft: str, n_ctx: int, n_gpu_layers: int, draft_n_gpu_
         click.echo("fits")
     else:
         raise click.ClickException("does not fit; ways out: " + "; ".join(ways_out(memory, n_ctx)))
+
+
+@main.command("doctor")
+@click.argument("model", required=False, envvar="SPECLLAMA_MODEL")
+@click.option("--draft", default="auto", envvar="SPECLLAMA_DRAFT", show_default=True,
+              help="Draft to judge with MODEL: auto, none, or a path / repo id / alias.")
+@click.option("--ctx", "n_ctx", type=int, default=4096, show_default=True)
+@click.option("--threads", "n_threads", type=int, default=None)
+@click.option("--gpu-layers", "n_gpu_layers", type=int, default=-1, show_default=True)
+@click.option("--json", "as_json", is_flag=True)
+def doctor_cmd(model: Optional[str], draft: str, n_ctx: int, n_threads: Optional[int], n_gpu_layers: int,
+               as_json: bool) -> None:
+    """What this llama.cpp build can do here; with MODEL, its fidelity, costs and whether a draft pays."""
+    from .doctor import model_report, system_report
+
+    report = system_report()
+    if model is not None:
+        from .draft_select import resolve_pair
+        from .plan import make_plan
+        from .runtime import ModelSettings, Runtime
+
+        target_path, draft_path, notes = resolve_pair(model, None if draft == "none" else draft)
+        for note in notes:
+            click.echo(note, err=True)
+        settings = ModelSettings(n_ctx=n_ctx, n_threads=n_threads, n_gpu_layers=n_gpu_layers)
+        memory = make_plan(target_path, draft_path, settings, None, gpu_offload=report["gpu_offload"])
+        with Runtime.load(target_path, settings) as target:
+            draft_rt = Runtime.load(draft_path, settings) if draft_path else None
+            try:
+                report["model"] = {**model_report(target, draft_rt), "memory_plan": memory.describe(),
+                                   "memory_fits": memory.fits}
+            finally:
+                if draft_rt is not None:
+                    draft_rt.close()
+    if as_json:
+        click.echo(json.dumps(report, indent=1))
+        return
+    info = report["llama_cpp"]
+    click.echo(f"llama-cpp-python {info['llama_cpp_python']}: {info['system_info']}")
+    click.echo(f"backends: {', '.join(report['backends'])}; GPU offload: {'yes' if report['gpu_offload'] else 'no'}")
+    for d in report["devices"]:
+        click.echo(f"  {d['name']} ({d['kind']}, {d['description']}): {d['free'] / 2**30:.1f} of "
+                   f"{d['total'] / 2**30:.1f} GiB free")
+    click.echo("GPUs on this machine: " + (", ".join(report["hardware_gpus"]) or "none found"))
+    for warning in report["warnings"]:
+        click.echo(f"warning: {warning}")
+    m = report.get("model")
+    if m:
+        click.echo(f"\n{m['target']}" + (f" with draft {m['draft']}" if m["draft"] else "") + ":")
+        click.echo("  " + m["memory_plan"].replace("\n", "\n  ") + ("" if m["memory_fits"] else "  (does not fit)"))
+        click.echo(f"  largest verify batch (bitwise / rounding, bound {m['rounding_bound']:g} logits):")
+        for row in m["fidelity"]:
+            click.echo(f"    {row['kv']:>14}: {row['max_verify_bitwise']:2} / {row['max_verify_rounding']:2}"
+                       f"   (largest difference {row['max_diff']:.3g})")
+        v = m["costs_ms"]["v"]
+        click.echo("  decode ms by batch size: " + ", ".join(f"{n}: {t}" for n, t in v.items())
+                   + (f"; draft {m['costs_ms']['draft_token']} a token" if m["draft"] else ""))
+        click.echo(f"  verdict: {m['verdict']}")
+
+
+@main.command("serve")
+@click.argument("model", envvar="SPECLLAMA_MODEL")
+@_model_options
+@click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on (loopback only by default).")
+@click.option("--port", type=int, default=8080, show_default=True)
+@click.option("--api-key", envvar="SPECLLAMA_API_KEY", default=None,
+              help="Require 'Authorization: Bearer KEY' on every endpoint but /health.")
+@click.option("--model-id", default=None, help="Name to serve the model under (default: the target file's stem).")
+@click.pass_context
+def serve_cmd(ctx: click.Context, model: str, draft: str, n_draft: Optional[str], n_ctx: int,
+              n_threads: Optional[int], n_gpu_layers: int, draft_n_gpu_layers: Optional[int], exact: str,
+              inexact: bool, verbose: bool, host: str, port: int, api_key: Optional[str],
+              model_id: Optional[str]) -> None:
+    """Serve MODEL over an OpenAI-compatible API (/v1/chat/completions, /v1/completions)."""
+    ctx.meta["specllama.verbose"] = verbose
+    _setup_logging(verbose)
+    try:
+        import uvicorn
+
+        from .server import create_app
+    except ImportError as e:
+        raise click.ClickException(f"specllama serve needs the server extra ({e.name} is missing): "
+                                   "pip install 'specllama[server]'") from None
+    from pathlib import Path
+
+    from .draft_select import resolve_pair
+
+    target_path, draft_path, notes = resolve_pair(model, None if draft == "ngram" else draft)
+    for note in notes:
+        click.echo(note, err=True)
+    name = model_id or Path(target_path).stem
+
+    def load():
+        return _load(model, draft, n_draft, n_ctx, n_threads, n_gpu_layers, draft_n_gpu_layers, exact, inexact,
+                     verbose)
+
+    if host not in ("127.0.0.1", "localhost", "::1"):
+        click.echo(f"warning: listening on {host}, reachable from other machines"
+                   + ("" if api_key else " with no --api-key"), err=True)
+    click.echo(f"serving {name} on http://{host}:{port}/v1 (loading the model; /health says when it is ready)",
+               err=True)
+    uvicorn.run(create_app(load, name, api_key), host=host, port=port, log_level="info" if verbose else "warning")

@@ -1,19 +1,33 @@
-"""How far to draft each round: fixed, or chosen from measured costs and observed acceptance.
+"""How far to draft each round, and from which source, chosen from this machine's costs and
+this text's acceptance as the generation runs.
 
 Speculation pays when (expected tokens per round) / (round time) beats one plain target step.
-With k drafted tokens, alpha_i the chance position i is accepted given 1..i-1 were, c_d the
-draft's cost per token and v(n) the target's cost to decode n tokens at once:
+With k drafted tokens, P_j the chance drafts 1..j are all accepted, c_d the draft's cost per
+token and v(n) the target's cost to decode n tokens at once:
 
-    E[tokens | k] = 1 + sum_{j=1..k} prod_{i=1..j} alpha_i      T(k) = k * c_d + v(k + 1)
+    E[tokens | k] = 1 + sum_{j=1..k} P_j        T(k) = k * c_d + v(k + 1)
 
-AdaptiveDraft picks argmax_k E/T every round (k = 0 is plain decoding), keeps decayed
-acceptance counts per position, and while speculation is off it drafts one token every
-`probe_every` rounds so it notices when the text becomes predictable.
+Each round the Controller compares plain decoding (1 / v(1)), the draft model and prompt
+lookup (free to draft, so T = v(k + 1)) by their best expected rate. While the draft model
+drafts, it stops as soon as one more token is not expected to raise E/T: the chance that a
+token is accepted is predicted from the draft's own probability of it (a per-generation
+calibration of that confidence against what the target accepted), so the draft runs long on
+code it is sure of and stops at the first uncertain token of prose.
+
+Costs are learned online (OnlineCosts): every round times its verify pass and every draft
+step, and robust running medians correct the calibration they start from, so a noisy or
+stale calibration cannot keep speculation on where it loses.
 """
 
 from __future__ import annotations
 
+import bisect
+import statistics
+import time
+from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Optional
 
 import numpy as np
 
@@ -32,81 +46,255 @@ class Costs:
         return self.verify[-1] + slope * (n - len(self.verify))
 
 
+class OnlineCosts:
+    """Running estimates of v(n) and the draft's cost per token, starting from a calibration.
+
+    v(n) is the calibrated curve scaled by the median ratio of what rounds measured to what
+    the curve predicted: for n itself once it has a few observations, else over all sizes
+    (the machine's current load moves the whole curve). The draft cost is the median of the
+    last measured steps. frozen=True keeps the calibration (seeded sampling: the same seed
+    must give the same text, so no timing may steer the rounds).
+    """
+
+    def __init__(self, seed: Costs, *, window: int = 9, frozen: bool = False, refresh: int = 64):
+        self.seed, self.frozen, self.refresh = seed, frozen, refresh
+        self._by_n: dict[int, deque] = {}
+        self._last_seen: dict[int, int] = {}  # n -> n_observed when v(n) was last measured
+        self._all: deque = deque(maxlen=4 * window)
+        self._draft: deque = deque(maxlen=window)
+        self._window = window
+        self.n_observed = 0
+
+    def observe_verify(self, n: int, seconds: float) -> None:
+        if self.frozen or seconds <= 0:
+            return
+        ratio = seconds / self.seed.v(n)
+        self._by_n.setdefault(n, deque(maxlen=self._window)).append(ratio)
+        self._all.append(ratio)
+        self.n_observed += 1
+        self._last_seen[n] = self.n_observed
+
+    def wants(self, n: int) -> bool:
+        """Whether v(n) has too few recent measurements to trust (never when frozen)."""
+        if self.frozen:
+            return False
+        return len(self._by_n.get(n, ())) < 3 or self.n_observed - self._last_seen[n] > self.refresh
+
+    def observe_draft_step(self, seconds: float) -> None:
+        if not self.frozen and seconds > 0:
+            self._draft.append(seconds)
+
+    def v(self, n: int, overall: Optional[float] = None) -> float:
+        own = self._by_n.get(n)
+        if own is not None and len(own) >= 3:
+            return self.seed.v(n) * statistics.median(own)
+        if overall is None:
+            overall = statistics.median(self._all) if self._all else 1.0
+        return self.seed.v(n) * overall
+
+    @property
+    def draft_token(self) -> float:
+        return statistics.median(self._draft) if len(self._draft) >= 3 else self.seed.draft_token
+
+    def table(self, n_max: int) -> np.ndarray:
+        """[0, v(1), ..., v(n_max)]"""
+        overall = statistics.median(self._all) if self._all else 1.0
+        return np.array([0.0] + [self.v(n, overall) for n in range(1, n_max + 1)])
+
+    def as_dict(self) -> dict:
+        return {"v_ms": {n: round(self.v(n) * 1000, 2) for n in (1, 2, 3, 4, 6, 8, 12, 16)},
+                "draft_token_ms": round(self.draft_token * 1000, 2), "n_observed": self.n_observed,
+                "frozen": self.frozen}
+
+
+def draft_can_pay(costs: OnlineCosts, k_max: int) -> bool:
+    """Whether a draft that is always right would beat plain decoding at some length <= k_max."""
+    ks = np.arange(1, k_max + 1)
+    v = costs.table(k_max + 1)
+    return k_max > 0 and bool(np.max((ks + 1) / (ks * costs.draft_token + v[ks + 1])) > 1.0 / v[1])
+
+
+# Edges of the draft-confidence bins (the draft's probability of the token it proposes).
+CONFIDENCE_EDGES = [0.3, 0.5, 0.7, 0.8, 0.9, 0.95, 0.98]
+_BIN_PRIOR = np.array([0.15, 0.4, 0.6, 0.75, 0.85, 0.92, 0.96, 0.99])  # ~ a calibrated draft
+
+
+class Acceptance:
+    """P(target accepts a drafted token | the draft's confidence in it), learned as it goes.
+
+    Counts per confidence bin decay each round, so the estimate follows the text; a bin with
+    little data leans on a prior near its confidence.
+    """
+
+    def __init__(self, decay: float = 0.95, prior_weight: float = 2.0):
+        self.decay, self.w = decay, prior_weight
+        self.hits = np.zeros(len(_BIN_PRIOR))
+        self.seen = np.zeros(len(_BIN_PRIOR))
+        self.mean_hits, self.mean_seen = 0.0, 0.0
+
+    def predict(self, confidence: float) -> float:
+        b = bisect.bisect_right(CONFIDENCE_EDGES, confidence)
+        return float((self.hits[b] + _BIN_PRIOR[b] * self.w) / (self.seen[b] + self.w))
+
+    def mean(self, prior: float = 0.6) -> float:
+        """Acceptance of the tokens that were drafted lately, whatever their confidence."""
+        return (self.mean_hits + prior * self.w) / (self.mean_seen + self.w)
+
+    def age(self) -> None:
+        self.hits *= self.decay
+        self.seen *= self.decay
+        self.mean_hits *= self.decay
+        self.mean_seen *= self.decay
+
+    def observe(self, confidences: list[float], n_accepted: int) -> None:
+        """A round's drafts with their confidences; the target judged up to the first rejection."""
+        n_judged = min(len(confidences), n_accepted + 1)
+        for i, c in enumerate(confidences[:n_judged]):
+            b = bisect.bisect_right(CONFIDENCE_EDGES, c)
+            self.seen[b] += 1
+            self.hits[b] += i < n_accepted
+        self.mean_seen += n_judged
+        self.mean_hits += n_accepted
+
+
 class FixedDraft:
-    """Always draft k tokens (or fewer when the context or the exact-mode cap says so)."""
+    """Always draft k tokens from the draft model (or fewer when the context or the fidelity
+    limit says so); prompt lookup goes first on long matches only when asked to."""
 
-    early_stop = 0.0
-    hopeless = False
-
-    def __init__(self, k: int):
+    def __init__(self, k: int, *, has_draft: bool = True, lookup: bool = False):
         self.limit = k
+        self.has_draft, self.lookup = has_draft, lookup
 
-    def choose(self, k_max: int) -> int:
-        return min(self.limit, k_max)
+    def plan(self, k_cap: int, n_match: int, n_lookup: int) -> tuple[str, int]:
+        k = min(self.limit, k_cap)
+        if k <= 0:
+            return "none", 0
+        if n_lookup and (not self.has_draft or (self.lookup and n_match >= 3)):
+            return "lookup", min(k, n_lookup)
+        return ("draft", k) if self.has_draft else ("none", 0)
 
-    def observe(self, n_drafted: int, n_accepted: int) -> None:
+    def draft_more(self, confidences: list[float]) -> str:
+        return "more"
+
+    def observe(self, source: str, confidences: list[float], n_accepted: int, n_verify: int,
+                t_verify: float) -> None:
         pass
 
+    def as_dict(self) -> dict:
+        return {"kind": "fixed", "n_draft": self.limit}
 
-PROBE_ALPHA = 0.9
+
+class Controller:
+    """Each round: plain, draft model or prompt lookup, and how far, by expected tokens/second.
+
+    Args:
+        costs: OnlineCosts (shared across generations, so what one learned serves the next).
+        limit: the most tokens a round may draft.
+        has_draft, lookup: which sources exist.
+        clock: seconds now; the gaps between draft_more calls time the draft's steps.
+    """
+
+    def __init__(self, costs: OnlineCosts, limit: int, *, has_draft: bool, lookup: bool,
+                 clock: Callable[[], float] = time.perf_counter):
+        self.costs, self.limit, self.clock = costs, limit, clock
+        self.has_draft, self.lookup = has_draft, lookup
+        self.draft_acceptance = Acceptance()
+        self.lookup_hits = np.zeros(5)  # by match length 2, 3, 4+ (index = min(n, 4))
+        self.lookup_seen = np.zeros(5)
+        self._v = costs.table(limit + 1)
+        self._c_d = costs.draft_token
+        self._round: Optional[_Round] = None
+        self._match = 0  # n-gram length behind this round's lookup proposal
+
+    def _best_draft_rate(self, alpha: float, k_max: int, c_d: Optional[float] = None) -> tuple[float, int]:
+        if k_max <= 0:
+            return 0.0, 0
+        ks = np.arange(1, k_max + 1)
+        expected = 1.0 + np.cumsum(alpha ** ks)
+        rates = expected / (ks * (self._c_d if c_d is None else c_d) + self._v[ks + 1])
+        best = int(np.argmax(rates))
+        return float(rates[best]), best + 1
+
+    def lookup_alpha(self, n_match: int) -> float:
+        i = min(n_match, 4)
+        return float((self.lookup_hits[i] + 0.5 * 2.0) / (self.lookup_seen[i] + 2.0))
+
+    def plan(self, k_cap: int, n_match: int, n_lookup: int) -> tuple[str, int]:
+        """The source ("none", "draft", "lookup") and most tokens to draft this round."""
+        k_cap = min(k_cap, self.limit)
+        self._round = None
+        best, choice = 1.0 / self._v[1], ("none", 0)
+        if k_cap <= 0 or self.costs.wants(1):
+            # a plain round now and then keeps v(1), the figure every choice is weighed
+            # against, measured: a stale one could keep speculation on where it loses
+            return choice
+        if self.has_draft:
+            rate, _ = self._best_draft_rate(self.draft_acceptance.mean(), k_cap)
+            if rate > best:
+                best, choice = rate, ("draft", k_cap)
+        if self.lookup and n_lookup:
+            rate, k = self._best_draft_rate(self.lookup_alpha(n_match), min(k_cap, n_lookup), c_d=0.0)
+            if rate > best:
+                best, choice = rate, ("lookup", k)
+        if choice[0] == "draft":
+            alpha = self.draft_acceptance.mean()
+            gain = [0.0]
+            for m in range(1, choice[1] + 1):
+                gain.append(gain[-1] + alpha ** m)  # expected extra tokens from m more drafts
+            self._round = _Round(choice[1], gain, self._v.tolist())
+        self._match = n_match
+        return choice
+
+    def draft_more(self, confidences: list[float]) -> str:
+        """After the draft chose x_i with the given confidence: "more" (decode it and draft
+        another), "stop" (propose x_1..x_i) or "drop" (propose x_1..x_{i-1})."""
+        r, now = self._round, self.clock()
+        if r is None:
+            return "more"
+        if r.t_last is not None:
+            self.costs.observe_draft_step(now - r.t_last)  # one draft decode since the last call
+        r.t_last = now
+        i, v, c_d = len(confidences), r.v, self._c_d
+        p_all = r.p_all * self.draft_acceptance.predict(confidences[-1])
+        e_drop, t_drop = r.expected, i * c_d + v[i]
+        e_keep, t_keep = r.expected + p_all, i * c_d + v[i + 1]
+        if e_keep * t_drop < e_drop * t_keep:
+            return "drop"
+        r.p_all, r.expected = p_all, e_keep
+        # would drafting m more tokens (each accepted with the mean rate) raise E/T?
+        rate = e_keep / t_keep
+        for m in range(1, r.k_max - i + 1):
+            if (e_keep + p_all * r.gain[m]) / (t_keep + m * c_d + v[i + 1 + m] - v[i + 1]) > rate:
+                return "more"
+        return "stop"
+
+    def observe(self, source: str, confidences: list[float], n_accepted: int, n_verify: int,
+                t_verify: float) -> None:
+        """What a round did: its source, the drafts' confidences, what the target accepted."""
+        self.costs.observe_verify(n_verify, t_verify)
+        self.draft_acceptance.age()
+        self.lookup_hits *= self.draft_acceptance.decay
+        self.lookup_seen *= self.draft_acceptance.decay
+        n_drafted = n_verify - 1
+        if source == "draft":
+            self.draft_acceptance.observe(confidences, n_accepted)
+        elif source == "lookup":
+            i = min(self._match, 4)
+            self.lookup_seen[i] += min(n_drafted, n_accepted + 1)
+            self.lookup_hits[i] += n_accepted
+        self._v = self.costs.table(self.limit + 1)
+        self._c_d = self.costs.draft_token
+
+    def as_dict(self) -> dict:
+        return {"kind": "auto", "draft_model": self.has_draft, "lookup": self.lookup,
+                "draft_acceptance": round(self.draft_acceptance.mean(), 3), **self.costs.as_dict()}
 
 
-class AdaptiveDraft:
-    """Choose the draft length with the best expected tokens per second, round by round."""
-
-    def __init__(self, costs: Costs, k_limit: int, *, decay: float = 0.95, prior: float = 0.7,
-                 prior_weight: float = 2.0, probe_every: int = 8, early_stop: float = 0.4):
-        self.costs = costs
-        self.limit = k_limit
-        self.decay = decay
-        self.prior, self.prior_weight = prior, prior_weight
-        self.probe_every = probe_every
-        self.early_stop = early_stop  # the proposer stops when its own top probability falls below
-        self.reached = np.zeros(k_limit)
-        self.accepted = np.zeros(k_limit)
-        self.n_plain_rounds = 0
-        # even if every draft were accepted, would any length beat plain decoding?
-        ks = np.arange(1, k_limit + 1)
-        best_case = (ks + 1) / (ks * costs.draft_token + np.array([costs.v(k + 1) for k in ks]))
-        self.hopeless = k_limit == 0 or best_case.max() <= 1.0 / costs.v(1)
-
-    def alpha(self) -> np.ndarray:
-        """Estimated acceptance of position i given 1..i-1 were accepted.
-
-        Each position's prior is the estimate of the position before it, so what the first
-        positions teach carries to deeper ones that are rarely reached.
-        """
-        w = self.prior_weight
-        out = np.empty(self.limit)
-        prior = self.prior
-        for i in range(self.limit):
-            out[i] = prior = (self.accepted[i] + prior * w) / (self.reached[i] + w)
-        return out
-
-    def expected_rates(self, k_max: int, alpha: np.ndarray | None = None) -> np.ndarray:
-        """E[tokens per round] / T(round) for k = 0..k_max."""
-        alpha = self.alpha() if alpha is None else alpha
-        reach = np.concatenate(([1.0], np.cumprod(alpha[:k_max])))  # reach[j] = prod_{i<=j} alpha_i
-        expected = np.cumsum(reach)  # expected[k] = 1 + sum_{j=1..k} reach[j]
-        ks = np.arange(k_max + 1)
-        times = ks * self.costs.draft_token + np.array([self.costs.v(k + 1) for k in ks])
-        return expected / times
-
-    def choose(self, k_max: int) -> int:
-        k_max = min(k_max, self.limit)
-        if k_max <= 0 or self.hopeless:
-            return 0
-        k = int(np.argmax(self.expected_rates(k_max)))
-        if k == 0:
-            self.n_plain_rounds += 1
-            if self.n_plain_rounds % self.probe_every == 0:
-                # probe at the length that would pay if the text turned predictable
-                return max(1, int(np.argmax(self.expected_rates(k_max, np.full(k_max, PROBE_ALPHA)))))
-        return k
-
-    def observe(self, n_drafted: int, n_accepted: int) -> None:
-        self.reached *= self.decay
-        self.accepted *= self.decay
-        n_reached = min(n_drafted, n_accepted + 1)  # positions the target actually judged
-        self.reached[:n_reached] += 1
-        self.accepted[:n_accepted] += 1
+@dataclass
+class _Round:
+    k_max: int
+    gain: list[float]  # gain[m]: expected accepted tokens among m more drafts, if all so far are
+    v: list[float]  # v[n]: the target's cost to verify n tokens
+    p_all: float = 1.0  # chance every draft so far is accepted
+    expected: float = 1.0  # expected tokens from the round so far
+    t_last: Optional[float] = None

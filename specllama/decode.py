@@ -13,6 +13,7 @@ from typing import Any, Optional
 
 import numpy as np
 
+from .fidelity import Limits, near_tie
 from .proposers import EMPTY, Proposal, Proposer
 from .runtime import Runtime
 from .sampling import SamplingSettings, distribution, greedy
@@ -35,11 +36,13 @@ def generate_steps(
     rng: np.random.Generator,
     prompt: Sequence[int],
     policy: Any,
+    limits: Limits,
     stats: Stats,
 ) -> Iterator[Step]:
     """Yield the accepted tokens round by round, forever or until the context is full.
 
-    policy decides the draft length of each round (FixedDraft or AdaptiveDraft).
+    policy (FixedDraft or Controller) decides each round's source and draft length within
+    the verify size the fidelity limits allow at the current KV length.
 
     The target's KV cache always holds tokens[:-1]: the newest token is fed as the first
     row of the next verify batch.
@@ -58,32 +61,52 @@ def generate_steps(
     yield Step([next_token], 0)
     try:
         while len(tokens) <= target.n_ctx:
-            # 1. propose as many tokens as the policy wants and the context has room to verify
-            t0 = time.perf_counter()
-            n_draft = policy.choose(target.n_ctx - len(tokens)) if proposer is not None else 0
-            proposal = EMPTY
-            if n_draft > 0:
-                proposal = proposer.propose(tokens, n_draft, sampling, rng, policy.early_stop)
-            t1 = time.perf_counter()
-            # 2. verify: one target pass over [newest token, x_1..x_k], logits for all k+1 rows
             n_past = len(tokens) - 1
-            target.decode([tokens[-1], *proposal.tokens], n_logits=len(proposal.tokens) + 1)
+            # 1. the largest verify batch the fidelity level allows here (measured on first reach)
+            t0 = time.perf_counter()
+            n_verify_max = limits.max_batch(n_past) if proposer is not None else 1
+            t1 = time.perf_counter()
+            # 2. propose from the source and as far as the policy wants, within limits and context
+            source, n_draft, proposal = "none", 0, EMPTY
+            if proposer is not None:
+                k_cap = min(target.n_ctx - len(tokens), n_verify_max - 1)
+                source, n_draft = policy.plan(k_cap, *proposer.lookup_offer(tokens))
+            if n_draft > 0:
+                proposal = proposer.propose(tokens, source, n_draft, sampling, rng, policy.draft_more)
             t2 = time.perf_counter()
-            # 3. accept the agreeing prefix plus one target token
+            # 3. verify: one target pass over [newest token, x_1..x_k], logits for all k+1 rows
+            target.decode([tokens[-1], *proposal.tokens], n_logits=len(proposal.tokens) + 1)
+            t3 = time.perf_counter()
+            # 4. accept the agreeing prefix plus one target token
             n_accepted, next_token = _verify(target, proposal, sampling, rng)
-            # 4. roll the target back to what was accepted
+            if sampling.greedy and proposer is not None:
+                _count_near_ties(target, n_accepted + 1, limits.tolerance(n_past, len(proposal.tokens) + 1),
+                                 len(tokens) - len(prompt), stats)
+            # 5. roll the target back to what was accepted
             target.truncate(n_past + 1 + n_accepted)
             new = [*proposal.tokens[:n_accepted], next_token]
             tokens.extend(new)
-            stats.t_draft += t1 - t0
-            stats.t_verify += t2 - t1
-            stats.record_round(len(proposal.tokens), n_accepted)
-            if n_draft > 0:
-                policy.observe(len(proposal.tokens), n_accepted)
+            stats.t_calibrate += t1 - t0
+            stats.t_draft += t2 - t1
+            stats.t_verify += t3 - t2
+            stats.record_round(len(proposal.tokens), n_accepted, source)
+            if proposer is not None:
+                policy.observe(source, list(proposal.confidence), n_accepted, len(proposal.tokens) + 1, t3 - t2)
             yield Step(new, n_accepted)
     finally:
         # interrupted between verify and rollback: drop the unverified rows
         target.truncate(len(tokens) - 1)
+
+
+def _count_near_ties(target: Runtime, n_rows: int, tolerance: float, n_generated: int, stats: Stats) -> None:
+    """Record the accepted rows whose top two logits are within tolerance: the only places
+    where plain decoding could have chosen another token."""
+    if tolerance != tolerance:  # NaN: this level measured nothing, so nothing can be judged
+        stats.near_ties = None
+        return
+    for i in range(n_rows):
+        if near_tie(target.logits(i), tolerance):
+            stats.near_tie_positions.append(n_generated + i)
 
 
 def _verify(target: Runtime, proposal: Proposal, sampling: SamplingSettings,

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 import threading
@@ -15,12 +14,15 @@ from typing import Any, Optional, Union
 
 import numpy as np
 
-from .calibrate import costs as measured_costs, invariant_batch_size
+from .calibrate import batch_diffs, costs as measured_costs
 from .compat import VocabInfo, check_compatible
+from .completions import Completion, check_supported, generate_options
 from .decode import generate_steps
+from .doctor import offload_note
 from .errors import BusyError, EmptyPromptError, InvalidParameterError, PromptTooLongError
-from .controller import AdaptiveDraft, FixedDraft
-from .proposers import CombinedProposer, DraftModelProposer, PromptLookupProposer
+from .controller import Controller, FixedDraft, OnlineCosts, draft_can_pay
+from .fidelity import MAX_VERIFY, DiffTable, Level, Limits, parse_level
+from .proposers import DraftModelProposer, PromptLookupProposer, Proposer
 from .plan import check as check_plan, make_plan
 from .runtime import ModelSettings, Runtime, open_runtime, resident_bytes, supports_gpu_offload
 from .sampling import SamplingSettings
@@ -59,6 +61,7 @@ class Stream:
     def __init__(self, chunks: Iterator[Chunk]):
         self._chunks = chunks
         self.result: Optional[Result] = None
+        self.stats: Optional[Stats] = None  # the running generation's stats, live
 
     def __iter__(self) -> "Stream":
         return self
@@ -85,6 +88,7 @@ class _Request:
     seed: Optional[int]
     stop: tuple[str, ...]
     n_draft: Union[int, str]
+    level: Level
 
 
 class SpecLlama:
@@ -95,33 +99,46 @@ class SpecLlama:
     """
 
     def __init__(self, target: Runtime, draft: Optional[Runtime] = None, *, n_draft: Union[int, str] = "auto",
-                 exact: bool = True, lookup: bool = False):
+                 exact: Union[str, float, bool] = "rounding", lookup: Optional[bool] = None):
         self.target = target
         self.draft = draft
         self.n_draft = _check_n_draft(n_draft)
-        if not isinstance(exact, bool):
-            raise InvalidParameterError("exact", exact, "True or False")
-        if not isinstance(lookup, bool):
-            raise InvalidParameterError("lookup", lookup, "True or False")
-        self.exact = exact
+        self.level = parse_level(exact)
+        if lookup is not None and not isinstance(lookup, bool):
+            raise InvalidParameterError("lookup", lookup, "True, False or None (beside a draft model in auto mode)")
         self.lookup = lookup
         self._lock = threading.Lock()
         self._costs = None
-        # Longest draft whose verify pass is bitwise the target's own single-token decoding.
-        self.max_exact_draft = MAX_N_DRAFT
+        self._online_costs: Optional[OnlineCosts] = None
+        self._explained: set[Level] = set()
         if draft is not None:
             check_compatible(_vocab_info(target), _vocab_info(draft))
-        if self.speculates and exact:
-            self.max_exact_draft = invariant_batch_size(target, MAX_N_DRAFT + 1) - 1
-            if self.max_exact_draft < MAX_AUTO_DRAFT:
-                log.info("%s computes different logits for verify batches over %d tokens on this backend; "
-                         "drafting at most %d tokens a round so output stays identical (exact=False lifts this)",
-                         target.name, self.max_exact_draft + 1, self.max_exact_draft)
+        # how far verify batches stray from single-token rows, per KV length, measured on demand
+        self.batch_diffs = DiffTable(lambda n_past, bound: batch_diffs(target, n_past, bound), target.n_ctx)
+        if self.speculates and self.level.limited:
+            self._explain_short_limit(self.level)
+
+    def _explain_short_limit(self, level: Level) -> int:
+        """Measure (or read) the short-context limit of level and say what it means, once."""
+        short = self.batch_diffs.get(0, level.bound)  # None: a context too small to probe
+        n_verify = 1 if short is None else short.largest_batch(level.bound)
+        if level in self._explained:
+            return n_verify
+        self._explained.add(level)
+        if n_verify == 1 and short is not None and short.diffs:
+            log.warning("%s: on this backend no verify batch stays within the %s level (the closest differs "
+                        "from single-token decoding by %.3g logits), so it decodes plainly; exact=\"rounding\" "
+                        "or \"off\" allows drafting", self.target.name, level, short.diffs[0])
+        elif n_verify < MAX_VERIFY:
+            log.info("%s: verify batches over %d tokens differ from single-token decoding by more than the %s "
+                     "level allows; drafting at most %d tokens a round", self.target.name, n_verify, level,
+                     n_verify - 1)
+        return n_verify
 
     @property
     def speculates(self) -> bool:
         """Whether anything proposes tokens (a draft model or prompt lookup)."""
-        return self.draft is not None or self.lookup
+        return self.draft is not None or self.lookup is True
 
     def costs(self):
         """Measured target verify costs and draft cost per token (cached per machine)."""
@@ -141,6 +158,8 @@ class SpecLlama:
             seed: seed of the numpy Generator used for sampling (same seed, same output).
             stop: a string or strings that end generation; they are not included in the text.
             n_draft: tokens drafted per round, or "auto" (default: the value given to load).
+            exact: fidelity level for this call: "bitwise", "rounding", "off" or a bound in
+                logits (default: the value given to load).
         Returns:
             Result with text, tokens, finish_reason and stats.
         """
@@ -176,6 +195,38 @@ class SpecLlama:
         bos_text = self.target.token_text(self.target.bos).decode("utf-8", "replace")
         add_bos = not (bos_text and text.startswith(bos_text))
         return self.target.tokenize(text, add_special=add_bos, parse_special=True)
+
+    def create_completion(self, prompt: Prompt, max_tokens: Optional[int] = 16, temperature: float = 0.8,
+                          top_p: float = 0.95, min_p: float = 0.05, stop: Union[None, str, list[str]] = None,
+                          top_k: int = 40, stream: bool = False, seed: Optional[int] = None,
+                          n_draft: Union[None, int, str] = None, **unsupported: Any) -> Any:
+        """llama_cpp.Llama.create_completion: a text_completion dict, or its chunks if stream.
+
+        Same defaults and shapes as llama-cpp-python 0.3.36; n_draft is specllama's own.
+        Grammars, logit biases, penalties, mirostat and logprobs raise InvalidParameterError.
+        """
+        check_supported(unsupported)
+        tokens = self._prompt_tokens(prompt)
+        return self._complete(tokens, False, max_tokens, stream, temperature=temperature, top_p=top_p,
+                              min_p=min_p, top_k=top_k, stop=stop, seed=seed, n_draft=n_draft)
+
+    __call__ = create_completion
+
+    def create_chat_completion(self, messages: list[dict], max_tokens: Optional[int] = None,
+                               temperature: float = 0.2, top_p: float = 0.95, min_p: float = 0.05,
+                               stop: Union[None, str, list[str]] = None, top_k: int = 40, stream: bool = False,
+                               seed: Optional[int] = None, n_draft: Union[None, int, str] = None,
+                               **unsupported: Any) -> Any:
+        """llama_cpp.Llama.create_chat_completion with the GGUF's chat template: a
+        chat.completion dict, or chat.completion.chunk dicts if stream."""
+        check_supported(unsupported)
+        return self._complete(self.chat_tokens(messages), True, max_tokens, stream, temperature=temperature,
+                              top_p=top_p, min_p=min_p, top_k=top_k, stop=stop, seed=seed, n_draft=n_draft)
+
+    def _complete(self, tokens: list[int], chat: bool, max_tokens: Optional[int], stream: bool, **options: Any) -> Any:
+        completion = Completion(self, tokens, chat=chat, model=self.target.name,
+                                **generate_options(max_tokens, len(tokens), self.target.n_ctx, **options))
+        return completion.chunks() if stream else completion.response()
 
     def tokenize(self, text: str) -> list[int]:
         return self.target.tokenize(text, add_special=True, parse_special=True)
@@ -227,7 +278,7 @@ class SpecLlama:
     def _request(self, prompt: list[int], *, max_tokens: int = 256, temperature: float = 0.0,
                  top_k: int = 40, top_p: float = 0.95, min_p: float = 0.05, seed: Optional[int] = None,
                  stop: Union[None, str, Sequence[str]] = None,
-                 n_draft: Union[None, int, str] = None) -> _Request:
+                 n_draft: Union[None, int, str] = None, exact: Union[None, str, float, bool] = None) -> _Request:
         if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
             raise InvalidParameterError("max_tokens", max_tokens, "an integer >= 1")
         if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or seed < 0):
@@ -237,28 +288,34 @@ class SpecLlama:
             raise InvalidParameterError("stop", stop, "a non-empty string or a list of non-empty strings")
         sampling = SamplingSettings(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p)
         n_draft = self.n_draft if n_draft is None else _check_n_draft(n_draft)
-        return _Request(prompt, sampling, max_tokens, seed, stops, n_draft)
+        level = self.level if exact is None else parse_level(exact)
+        return _Request(prompt, sampling, max_tokens, seed, stops, n_draft, level)
 
-    def _policy(self, n_draft: Union[int, str], lookup_only: bool) -> Any:
-        limit = self.max_exact_draft if self.exact else MAX_N_DRAFT
+    def _policy(self, n_draft: Union[int, str], level: Level, seeded: bool) -> Any:
+        # the short-context limit; rounds at longer KV lengths get their own (Limits)
+        limit = self._explain_short_limit(level) - 1 if level.limited else MAX_N_DRAFT
+        has_draft = self.draft is not None
         if n_draft != "auto":
-            return FixedDraft(min(n_draft, limit))
-        if lookup_only:  # prompt lookup costs nothing to try: start optimistic, retry soon
-            free = dataclasses.replace(self.costs(), draft_token=0.0)
-            return AdaptiveDraft(free, min(limit, MAX_AUTO_DRAFT), prior=0.8, probe_every=2)
-        return AdaptiveDraft(self.costs(), min(limit, MAX_AUTO_DRAFT))
+            return FixedDraft(min(n_draft, limit), has_draft=has_draft, lookup=self.lookup is True)
+        if seeded:  # the same seed must give the same text: decide from the calibration alone
+            costs = OnlineCosts(self.costs(), frozen=True)
+        else:
+            if self._online_costs is None:
+                self._online_costs = OnlineCosts(self.costs())
+            costs = self._online_costs
+        lookup = self.lookup is True or (self.lookup is None and has_draft)
+        limit = min(limit, MAX_AUTO_DRAFT)
+        # not even an always-right draft beats plain decoding here: leave the draft model idle
+        return Controller(costs, limit, has_draft=has_draft and draft_can_pay(costs, limit), lookup=lookup)
 
-    def _proposer_and_policy(self, n_draft: Union[int, str]) -> tuple[Any, Any]:
-        if not self.speculates:
+    def _proposer_and_policy(self, req: _Request) -> tuple[Optional[Proposer], Any]:
+        if not self.speculates or req.n_draft == 0:
             return None, FixedDraft(0)
-        if self.draft is not None:
-            policy = self._policy(n_draft, lookup_only=False)
-            if not policy.hopeless:
-                model = DraftModelProposer(self.draft)
-                return (CombinedProposer(model, PromptLookupProposer()) if self.lookup else model), policy
-            if not self.lookup:  # no draft length can beat plain decoding here: skip the draft
-                return None, FixedDraft(0)
-        return PromptLookupProposer(), self._policy(n_draft, lookup_only=True)
+        policy = self._policy(req.n_draft, req.level, seeded=req.seed is not None and not req.sampling.greedy)
+        if not (policy.has_draft or policy.lookup):
+            return None, FixedDraft(0)
+        draft = DraftModelProposer(self.draft) if policy.has_draft else None
+        return Proposer(draft, PromptLookupProposer() if policy.lookup or draft is None else None), policy
 
     @contextmanager
     def _exclusive(self) -> Iterator[None]:
@@ -277,11 +334,14 @@ class SpecLlama:
         with self._exclusive():
             # inside the lock: the first "auto" policy calibrates, which decodes on the target;
             # that one-time measurement is not part of this generation's timings
-            proposer, policy = self._proposer_and_policy(req.n_draft)
+            proposer, policy = self._proposer_and_policy(req)
             t_start = time.perf_counter()
-            stats = Stats(n_prompt=len(req.prompt), n_draft_max=policy.limit if proposer is not None else 0)
+            stats = Stats(n_prompt=len(req.prompt), n_draft_max=policy.limit if proposer is not None else 0,
+                          fidelity=str(req.level))
+            stream.stats = stats
+            limits = Limits(req.level, self.batch_diffs)
             steps = generate_steps(self.target, proposer, req.sampling, np.random.default_rng(req.seed),
-                                   req.prompt, policy, stats)
+                                   req.prompt, policy, limits, stats)
             detokenizer, matcher = Detokenizer(), StopMatcher(req.stop)
             try:
                 finish = "length"  # running out of context also ends here
@@ -308,6 +368,9 @@ class SpecLlama:
             finally:
                 steps.close()
                 stats.n_generated = len(tokens)
+                stats.verify_limits = limits.used
+                stats.controller = policy.as_dict()
+                _keep_near_ties(stats, len(tokens) + (finish == "stop" and not matcher.stopped), req.sampling)
                 stats.t_total = time.perf_counter() - t_start
                 _record_memory(stats, self.target, self.draft)
                 stream.result = Result("".join(texts), tokens, finish, stats)
@@ -318,6 +381,16 @@ def _record_memory(stats: Stats, target: Runtime, draft: Optional[Runtime]) -> N
         if runtime is not None and runtime.memory_use is not None:
             setattr(stats, name, runtime.memory_use.total)
     stats.n_bytes_resident = resident_bytes()
+
+
+def _keep_near_ties(stats: Stats, n_decided: int, sampling: SamplingSettings) -> None:
+    """Near-ties among the tokens this generation decided (the emitted ones, and an end-of-
+    generation token that ended it); rounds may have run past max_tokens or a stop string."""
+    if not sampling.greedy:
+        stats.near_ties = None  # sampled rows have no single choice to flip
+    stats.near_tie_positions = [p for p in stats.near_tie_positions if p < n_decided]
+    if stats.near_ties is not None:
+        stats.near_ties = len(stats.near_tie_positions)
 
 
 def _accepted_tokens(steps: Iterator[Any]) -> Iterator[tuple[int, bool]]:
@@ -344,8 +417,9 @@ def _vocab_info(runtime: Runtime) -> VocabInfo:
 _SETTING_NAMES = {f.name for f in fields(ModelSettings)}
 
 
-def load(target: Any, draft: Any = None, *, n_draft: Union[int, str] = "auto", exact: bool = True,
-         lookup: bool = False, check_memory: bool = True, **model_settings: Any) -> SpecLlama:
+def load(target: Any, draft: Any = None, *, n_draft: Union[int, str] = "auto",
+         exact: Union[str, float, bool] = "rounding",
+         lookup: Optional[bool] = None, check_memory: bool = True, **model_settings: Any) -> SpecLlama:
     """Load a target model and an optional draft of the same family.
 
     Args:
@@ -356,14 +430,19 @@ def load(target: Any, draft: Any = None, *, n_draft: Union[int, str] = "auto", e
         n_draft: "auto" (default: each round drafts as far as the measured costs and the
             acceptance so far say pays, and not at all when nothing beats plain decoding), or
             a fixed number of tokens per round (0..32).
-        lookup: also propose by prompt lookup (n-grams of prompt + output) when it has a long
-            match, falling back to the draft model.
+        lookup: prompt lookup (n-grams of prompt + output) as a source of drafts. None
+            (default): in auto mode, weighed beside the draft model every round; True: also
+            with a fixed n_draft (first on long matches) or with no draft model; False: never.
         check_memory: plan the memory both models need from their GGUF headers and raise
             MemoryPlanError (with ways out) before loading when it exceeds what is available.
-        exact: keep every verify pass within the batch size measured (once, then cached) to
-            give bitwise the target's single-token logits, so greedy output is identical to
-            the target alone. False drafts n_draft regardless; output may then differ where
-            the target's top two tokens are within its own batch-size rounding.
+        exact: the fidelity level. "bitwise": verify batches only of sizes measured to give
+            bitwise the target's single-token logits at the current KV length, so greedy
+            output is the target's own at any length (plain decoding where none is).
+            "rounding" (default): sizes that differ by float rounding only (at most
+            fidelity.ROUNDING_BOUND logits); greedy output can differ only at near-ties, which
+            stats.near_ties counts. "off": no limit. A number: sizes that differ by at most
+            that many logits. True and False mean "bitwise" and "off". Measurements are
+            cached per model, settings and llama.cpp build.
         **model_settings: llama.cpp settings for both models: n_ctx, n_batch, n_threads,
             n_threads_batch, n_gpu_layers, flash_attn, type_k, type_v, use_mmap, verbose.
             Prefix one with draft_ to set it for the draft alone (e.g. draft_n_gpu_layers=0).
@@ -376,9 +455,13 @@ def load(target: Any, draft: Any = None, *, n_draft: Union[int, str] = "auto", e
         if key not in _SETTING_NAMES:
             raise TypeError(f"load() got an unknown setting {key!r}; known: {', '.join(sorted(_SETTING_NAMES))}")
     _check_n_draft(n_draft)
+    parse_level(exact)
     if draft == "ngram":
         draft, lookup = None, True
     target_settings, draft_settings = ModelSettings(**target_kw), ModelSettings(**draft_kw)
+    note = offload_note(target_settings.n_gpu_layers)
+    if note is not None:
+        log.info(note)
     if _is_ref(target) and (draft is None or _is_ref(draft)):
         from .draft_select import resolve_pair
 

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import NamedTuple, Optional, Protocol
+from collections.abc import Callable, Sequence
+from typing import NamedTuple, Optional
 
 import numpy as np
 
@@ -16,22 +16,14 @@ class Proposal(NamedTuple):
 
     tokens: list[int]
     q: Optional[list[Optional[Dist]]] = None  # None: deterministic proposals (greedy or lookup)
+    confidence: Sequence[float] = ()  # the draft model's probability of each token it drafted
 
 
 EMPTY = Proposal([])
 
-
-class Proposer(Protocol):
-    def prefill(self, tokens: Sequence[int]) -> None:
-        """See the prompt before the first round (its time counts as prefill)."""
-
-    def propose(self, tokens: Sequence[int], n_draft: int, sampling: SamplingSettings,
-                rng: np.random.Generator, early_stop: float = 0.0) -> Proposal:
-        """Propose up to n_draft tokens to follow tokens (prompt + everything accepted).
-
-        early_stop: stop drafting once the proposer's own probability of its next token is
-        below this (0 = always draft n_draft).
-        """
+# After the draft picks x_i: "more" (decode it, draft another), "stop" (propose x_1..x_i) or
+# "drop" (propose x_1..x_{i-1}); called with the draft's confidence in x_1..x_i.
+DraftMore = Callable[[list[float]], str]
 
 
 class DraftModelProposer:
@@ -39,7 +31,8 @@ class DraftModelProposer:
 
     The cache is not rolled back here: each propose() syncs it to the accepted tokens, which
     keeps the accepted prefix, drops rejected drafts and feeds what the draft has not seen
-    (the correction token, and the last draft token too after a fully accepted round).
+    (the correction token, tokens other sources proposed, and the last draft token after a
+    fully accepted round).
     """
 
     def __init__(self, draft: Runtime):
@@ -54,31 +47,34 @@ class DraftModelProposer:
             self.draft.sync(tokens)
 
     def propose(self, tokens: Sequence[int], n_draft: int, sampling: SamplingSettings,
-                rng: np.random.Generator, early_stop: float = 0.0) -> Proposal:
+                rng: np.random.Generator, draft_more: DraftMore) -> Proposal:
         n_draft = min(n_draft, self.draft.n_ctx - len(tokens) + 1)
         if n_draft <= 0:
             return EMPTY
         self.draft.sync(tokens)
         drafted: list[int] = []
         q: list[Optional[Dist]] = []
+        confidence: list[float] = []
         for i in range(n_draft):
             row = self.draft.logits(0)
             if sampling.greedy:
                 x = greedy(row)
-                confident = early_stop <= 0 or _top_probability(row) >= early_stop
+                confidence.append(_top_probability(row))
             else:
                 q_i = distribution(row, sampling)
                 x = sample(q_i, rng)
                 q.append(q_i)
-                confident = early_stop <= 0 or q_i.prob(x) >= early_stop
-            if not confident and drafted:
-                break  # keep at least one token: a round with no draft is plain decoding
-            drafted.append(x)
-            if not confident:
+                confidence.append(q_i.prob(x))
+            decision = draft_more(confidence)
+            if decision == "drop":
+                confidence.pop()
+                del q[len(drafted):]
                 break
-            if i + 1 < n_draft:
-                self.draft.decode([x])
-        return Proposal(drafted, q or None)
+            drafted.append(x)
+            if decision == "stop" or i + 1 == n_draft:
+                break
+            self.draft.decode([x])
+        return Proposal(drafted, q or None, confidence)
 
 
 def _top_probability(row: np.ndarray) -> float:
@@ -126,28 +122,37 @@ class PromptLookupProposer:
         return 0, 0
 
     def propose(self, tokens: Sequence[int], n_draft: int, sampling: SamplingSettings,
-                rng: np.random.Generator, early_stop: float = 0.0) -> Proposal:
+                rng: np.random.Generator, draft_more: Optional[DraftMore] = None) -> Proposal:
         n, start = self.match(tokens)
         self.last_match = n
         if n == 0:
             return EMPTY
-        drafted = list(tokens[start:start + n_draft])
-        return Proposal(drafted, None)
+        return Proposal(list(tokens[start:start + n_draft]), None)
 
 
-class CombinedProposer:
-    """Prompt lookup when it has a long match, the draft model otherwise."""
+class Proposer:
+    """Where a round's candidates come from: the draft model, prompt lookup, or both, the
+    policy choosing between them each round."""
 
-    def __init__(self, draft: DraftModelProposer, lookup: PromptLookupProposer, min_match: int = 3):
-        self.draft, self.lookup, self.min_match = draft, lookup, min_match
+    def __init__(self, draft: Optional[DraftModelProposer], lookup: Optional[PromptLookupProposer]):
+        self.draft, self.lookup = draft, lookup
 
     def prefill(self, tokens: Sequence[int]) -> None:
-        self.draft.prefill(tokens)
-        self.lookup.prefill(tokens)
+        for source in (self.draft, self.lookup):
+            if source is not None:
+                source.prefill(tokens)
 
-    def propose(self, tokens: Sequence[int], n_draft: int, sampling: SamplingSettings,
-                rng: np.random.Generator, early_stop: float = 0.0) -> Proposal:
+    def lookup_offer(self, tokens: Sequence[int]) -> tuple[int, int]:
+        """(n-gram length of prompt lookup's match, tokens it could propose), or (0, 0)."""
+        if self.lookup is None:
+            return 0, 0
         n, start = self.lookup.match(tokens)
-        if n >= self.min_match and len(tokens) - start >= 2:
-            return Proposal(list(tokens[start:start + n_draft]), None)
-        return self.draft.propose(tokens, n_draft, sampling, rng, early_stop)
+        return (n, len(tokens) - start) if n else (0, 0)
+
+    def propose(self, tokens: Sequence[int], source: str, n_draft: int, sampling: SamplingSettings,
+                rng: np.random.Generator, draft_more: DraftMore) -> Proposal:
+        if source == "draft" and self.draft is not None:
+            return self.draft.propose(tokens, n_draft, sampling, rng, draft_more)
+        if source == "lookup" and self.lookup is not None:
+            return self.lookup.propose(tokens, n_draft, sampling, rng)
+        return EMPTY

@@ -109,6 +109,20 @@ _dev_description = _bind("ggml_backend_dev_description", ctypes.c_char_p, ctypes
 _dev_type = _bind("ggml_backend_dev_type", ctypes.c_int, ctypes.c_void_p)
 _dev_memory = _bind("ggml_backend_dev_memory", None, ctypes.c_void_p,
                     ctypes.POINTER(ctypes.c_size_t), ctypes.POINTER(ctypes.c_size_t))
+_reg_count = _bind("ggml_backend_reg_count", ctypes.c_size_t)
+_reg_get = _bind("ggml_backend_reg_get", ctypes.c_void_p, ctypes.c_size_t)
+_reg_name = _bind("ggml_backend_reg_name", ctypes.c_char_p, ctypes.c_void_p)
+
+
+def backends() -> list[str]:
+    """The ggml backends compiled into this llama.cpp build ("CPU", "CUDA", "Metal", ...)."""
+    _init_backend()
+    return [(_reg_name(_reg_get(i)) or b"?").decode("utf-8", "replace") for i in range(_reg_count())]
+
+
+def build_info() -> dict:
+    """This llama.cpp build: llama-cpp-python's version and llama.cpp's system info line."""
+    return {"llama_cpp_python": llama_cpp.__version__, "system_info": _system_info().strip(" |")}
 
 
 def devices() -> list[Device]:

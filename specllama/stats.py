@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
+from typing import Optional
 
 
 @dataclass
@@ -12,25 +13,37 @@ class Stats:
     n_prompt: int = 0
     n_draft_max: int = 0  # the most tokens a round could draft (after the exact-mode cap)
     n_plain_rounds: int = 0  # rounds that drafted nothing (the controller found no gain)
+    n_lookup_rounds: int = 0  # rounds whose drafts came from prompt lookup
     n_generated: int = 0
     n_rounds: int = 0  # target verify passes after the prompt (plain decoding: one per token)
     n_drafted: int = 0
     n_accepted: int = 0
     accepted_at: list[int] = field(default_factory=list)  # [i]: drafts accepted at position i
     drafted_at: list[int] = field(default_factory=list)  # [i]: rounds that drafted position i
+    # fidelity: the level, the verify-size limit rounds met per KV length, and near-ties:
+    # generated positions whose verify row had its top two logits within twice the measured
+    # batch difference (greedy only; None where nothing was measured, e.g. level "off")
+    fidelity: str = ""
+    verify_limits: dict[str, int] = field(default_factory=dict)
+    near_ties: Optional[int] = 0
+    near_tie_positions: list[int] = field(default_factory=list)
     t_prefill: float = 0.0
+    t_calibrate: float = 0.0  # one-time batch-difference measurements at a new KV length
     t_draft: float = 0.0
     t_verify: float = 0.0
     t_total: float = 0.0
+    # what the draft controller decided from: its cost estimates and acceptance at the end
+    controller: dict = field(default_factory=dict)
     # memory measured when each model loaded (RAM + GPU; 0 when not measured, e.g. borrowed),
     # and this process's resident memory when the generation ended
     n_bytes_target: int = 0
     n_bytes_draft: int = 0
     n_bytes_resident: int = 0
 
-    def record_round(self, n_drafted: int, n_accepted: int) -> None:
+    def record_round(self, n_drafted: int, n_accepted: int, source: str = "draft") -> None:
         self.n_rounds += 1
         self.n_plain_rounds += n_drafted == 0
+        self.n_lookup_rounds += n_drafted > 0 and source == "lookup"
         self.n_drafted += n_drafted
         self.n_accepted += n_accepted
         for counts, n in ((self.drafted_at, n_drafted), (self.accepted_at, n_accepted)):
@@ -59,7 +72,7 @@ class Stats:
 
     @property
     def t_decode(self) -> float:
-        return self.t_total - self.t_prefill
+        return self.t_total - self.t_prefill - self.t_calibrate
 
     @property
     def t_other(self) -> float:
@@ -84,6 +97,10 @@ class Stats:
         if self.n_drafted:
             line += (f", acceptance {self.acceptance_rate:.0%} ({self.n_accepted}/{self.n_drafted}), "
                      f"{self.tokens_per_round:.2f} tokens/round, up to {self.n_draft_max} drafted")
+        if self.near_ties:
+            line += f", {self.near_ties} near-ties"
+        if self.t_calibrate >= 0.01:
+            line += f", {self.t_calibrate:.1f}s measuring a new KV length (once)"
         if self.n_bytes_resident:
             line += f", {self.n_bytes_resident / 2**30:.2f} GiB resident"
             if self.n_bytes_draft:

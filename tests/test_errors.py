@@ -75,7 +75,7 @@ def test_first_differing_token_is_named(pair, model_paths):
 
 
 def test_same_model_as_its_own_draft_is_compatible(pair):
-    specllama.SpecLlama(pair.target, pair.draft, exact=False)  # no exception
+    specllama.SpecLlama(pair.target, pair.draft, exact="off")  # no exception
 
 
 BAD_CALLS = [
@@ -95,6 +95,8 @@ BAD_CALLS = [
     (dict(stop=[""]), InvalidParameterError, "stop="),
     (dict(top_k=-2), InvalidParameterError, "top_k=-2"),
     (dict(min_p=2.0), InvalidParameterError, "min_p=2.0"),
+    (dict(exact="fuzzy"), InvalidParameterError, "exact='fuzzy' .* bitwise"),
+    (dict(exact=-0.5), InvalidParameterError, "exact=-0.5"),
 ]
 
 
@@ -140,6 +142,15 @@ def test_context_fills_up_with_length(model_paths):
             llm.generate(prompt * 100)
         exact_fit = (prompt * 100)[:n_ctx]
         assert len(llm.generate(exact_fit, max_tokens=5).tokens) == 1
+
+
+def test_a_context_too_small_to_probe_decodes_plainly(model_paths, plain):
+    """The fidelity probe needs room for its rows; without it, rounds verify one token."""
+    with specllama.load(model_paths["target"], model_paths["draft"], n_ctx=16, n_threads=2) as llm:
+        prompt = llm.tokenize(CODE)[:6]
+        r = llm.generate(prompt, max_tokens=8, exact="bitwise")
+        assert r.tokens == plain.generate(prompt, max_tokens=8).tokens
+        assert r.stats.n_drafted == 0
 
 
 def test_busy_while_a_stream_is_open(pair):

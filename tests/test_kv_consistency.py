@@ -18,7 +18,7 @@ def fresh_logits(path, tokens):
 
 
 def test_caches_match_a_fresh_context(model_paths):
-    with specllama.load(model_paths["target"], model_paths["draft"], n_draft=6, exact=False, **SETTINGS) as llm:
+    with specllama.load(model_paths["target"], model_paths["draft"], n_draft=6, exact="off", **SETTINGS) as llm:
         prompt = llm.tokenize(PROSE)
         r = llm.generate(prompt, max_tokens=160, temperature=1.0, seed=3)
         assert r.stats.n_drafted - r.stats.n_accepted > 40, "too few rejections to test rollback"

@@ -1,0 +1,96 @@
+"""What this llama.cpp build is and can do here, and, for a model, whether a draft can pay.
+
+`specllama doctor [MODEL]` prints these; load() logs offload_note() so a build that cannot use
+the machine's GPU is never a silent CPU run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import platform
+import shutil
+import subprocess
+import sys
+from typing import Optional
+
+from . import runtime
+from .calibrate import calibrate_fidelity, costs as measured_costs
+from .controller import OnlineCosts, draft_can_pay
+from .fidelity import LEVELS, MAX_VERIFY, group_label, kv_group
+
+REBUILD = ("bash scripts/setup.sh (it picks Metal or CUDA for the machine), or in your own environment "
+           "CMAKE_ARGS=-DGGML_CUDA=on pip install --force-reinstall --no-cache-dir llama-cpp-python==0.3.36")
+
+
+def hardware_gpus() -> list[str]:
+    """GPUs this machine has, whatever llama.cpp was built with: the Apple GPU on Apple silicon,
+    NVIDIA cards as nvidia-smi lists them."""
+    found = []
+    if sys.platform == "darwin" and platform.machine() == "arm64":
+        found.append("Apple Silicon GPU (Metal)")
+    smi = shutil.which("nvidia-smi")
+    if smi is not None:
+        try:
+            listing = subprocess.run([smi, "-L"], capture_output=True, text=True, timeout=10).stdout
+        except (OSError, subprocess.SubprocessError):
+            listing = ""
+        found += [line.strip() for line in listing.splitlines() if line.startswith("GPU")]
+    return found
+
+
+def offload_note(n_gpu_layers: int) -> Optional[str]:
+    """The line to log when n_gpu_layers asks for GPU offload that this build cannot do: an
+    explicit layer count, or the default "all" on a machine that has a GPU."""
+    if n_gpu_layers == 0 or runtime.supports_gpu_offload():
+        return None
+    gpus = hardware_gpus()
+    if n_gpu_layers > 0 or gpus:
+        where = f"this machine has {gpus[0]}, but " if gpus else ""
+        return (f"n_gpu_layers={n_gpu_layers} asks for GPU offload, but {where}this llama.cpp build has only the "
+                f"{', '.join(runtime.backends())} backend, so every layer runs on the CPU; rebuild with {REBUILD}")
+    return None
+
+
+def system_report() -> dict:
+    """The build, its backends and devices, and whether it can use this machine's GPU."""
+    gpus, offload = hardware_gpus(), runtime.supports_gpu_offload()
+    warnings = []
+    if gpus and not offload:
+        warnings.append(f"this machine has {gpus[0]} but this llama.cpp build cannot use it "
+                        f"(backends: {', '.join(runtime.backends())}); rebuild with {REBUILD}")
+    return {"llama_cpp": runtime.build_info(), "backends": runtime.backends(),
+            "devices": [dataclasses.asdict(d) for d in runtime.devices()], "gpu_offload": offload,
+            "hardware_gpus": gpus, "warnings": warnings}
+
+
+def model_report(target: runtime.Runtime, draft: Optional[runtime.Runtime], n_groups: int = 3) -> dict:
+    """Fidelity per KV length, decode costs and the verdict on the draft (cached measurements;
+    the first call measures, which prefills up to about 600 tokens)."""
+    fidelity = calibrate_fidelity(target, n_groups)
+    costs = measured_costs(target, draft, MAX_VERIFY)
+    rows = [{"kv": group_label(kv_group(f.n_kv)), "n_kv": f.n_kv, "max_diff": max(f.diffs, default=0.0),
+             **{f"max_verify_{name}": f.largest_batch(LEVELS[name].bound) for name in ("bitwise", "rounding")}}
+            for f in fidelity]
+    k_max = min(fidelity[0].largest_batch(LEVELS["rounding"].bound), MAX_VERIFY) - 1
+    return {"target": target.name, "draft": draft.name if draft is not None else None, "fidelity": rows,
+            "rounding_bound": LEVELS["rounding"].bound,
+            "costs_ms": {"v": {n: round(costs.v(n) * 1000, 1) for n in (1, 2, 3, 4, 8, 16)},
+                         "draft_token": round(costs.draft_token * 1000, 1)},
+            "verdict": verdict(costs, k_max, draft is not None)}
+
+
+def verdict(costs, k_max: int, has_draft: bool) -> str:
+    """One line: can a draft pay on this machine at the default fidelity level, and why."""
+    v1, v2 = costs.v(1) * 1000, costs.v(2) * 1000
+    if not has_draft:
+        return "no draft model: only prompt lookup can speculate (it pays where the output copies the input)"
+    if k_max <= 0:
+        return "a draft cannot run at the rounding level here: no verify batch stays within float rounding"
+    if not draft_can_pay(OnlineCosts(costs), k_max):
+        return (f"a draft cannot pay here: the target takes {v1:.0f} ms for one token and {v2:.0f} ms to verify "
+                f"two, the draft {costs.draft_token * 1000:.0f} ms a token, so even an always-right draft is "
+                f"slower than plain decoding; prompt lookup can still pay on edits")
+    best = max((k + 1) * costs.v(1) / (k * costs.draft_token + costs.v(k + 1)) for k in range(1, k_max + 1))
+    return (f"a draft can pay here: one token costs {v1:.0f} ms and verifying two {v2:.0f} ms, the draft "
+            f"{costs.draft_token * 1000:.0f} ms a token; with every draft accepted it would run {best:.1f}x plain "
+            f"speed, and real gains follow the acceptance")

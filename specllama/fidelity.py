@@ -1,0 +1,187 @@
+"""Fidelity levels: how far a verify batch's logits may stray from single-token decoding.
+
+llama.cpp picks kernels by batch size and by KV length. A row verified in a batch of b tokens
+can therefore differ from the same row decoded alone. On our 2-core CPU, Q4_K rows move by
+about 0.7 logits from 4-token batches on, F16 rows by about 0.02 from 2 tokens on. Once the
+padded KV length reaches 512, every multi-token batch differs: single-token decoding then
+takes flash attention's split-KV path (ggml-cpu ops.cpp) and batches do not.
+
+So the difference is measured per batch size and per KV length (see calibrate.py), and each
+level turns those measurements into a verify-size limit for every round:
+
+    bitwise   only sizes whose rows were bitwise identical: greedy output is token for token
+              plain decoding, at any context length; where no size is, decode plainly.
+    rounding  sizes that differ by at most ROUNDING_BOUND logits (float rounding, not a
+              different quantization path). Greedy output can then differ only where the
+              target's top two logits are within twice that difference: near_ties counts them.
+    off       no limit (llama.cpp's behaviour).
+
+A float bound is also accepted: sizes that differ by at most that many logits.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import numpy as np
+
+from .errors import InvalidParameterError
+
+# Measured with `specllama calibrate` on our 2-core CPUs (Intel Sapphire Rapids, AMD EPYC): F16
+# rows differ by float rounding, 0.008-0.05 up to KV length 1024 and 0.105-0.129 at 1280-2048,
+# growing with the length; Q4_K rows differ by 0.47-0.82 wherever another path runs (a
+# different activation quantization, not rounding). 0.25 sits between the two, about 2x from
+# each side.
+ROUNDING_BOUND = 0.25
+MAX_VERIFY = 17  # sizes 2..17 are measured; the controller drafts at most 16 tokens
+KV_PAD = 256  # llama.cpp pads the KV length it attends over to a multiple of 256 (get_n_kv)
+UNLIMITED = 1 << 30
+
+
+@dataclass(frozen=True)
+class Level:
+    """A fidelity level: the largest max |logit difference| a verify batch may have."""
+
+    name: str  # "bitwise", "rounding", "off", or "bound" for a number the caller chose
+    bound: float
+
+    @property
+    def limited(self) -> bool:
+        return self.bound != math.inf
+
+    def __str__(self) -> str:
+        return f"bound {self.bound:g}" if self.name == "bound" else self.name
+
+
+LEVELS = {"bitwise": Level("bitwise", 0.0), "rounding": Level("rounding", ROUNDING_BOUND),
+          "off": Level("off", math.inf)}
+
+
+def parse_level(exact: Any) -> Level:
+    """"bitwise", "rounding", "off", a bound in logits, or True/False (bitwise/off)."""
+    if isinstance(exact, bool):
+        return LEVELS["bitwise" if exact else "off"]
+    if isinstance(exact, str) and exact in LEVELS:
+        return LEVELS[exact]
+    if isinstance(exact, (int, float)) and math.isfinite(exact) and exact >= 0:
+        return Level("bound", float(exact))
+    raise InvalidParameterError("exact", exact, '"bitwise", "rounding" (default), "off", '
+                                                "or a bound in logits >= 0")
+
+
+def kv_length(n_cells: int, n_ctx: int) -> int:
+    """The padded KV length llama.cpp attends over when n_cells cells are in use."""
+    return min(n_ctx, max(KV_PAD, -(-n_cells // KV_PAD) * KV_PAD))
+
+
+def kv_group(n_kv: int) -> int:
+    """KV lengths measured together: 256, 512, 768-1024, 1280-2048, ... (doubling)."""
+    return max(0, math.ceil(math.log2(n_kv / KV_PAD)))
+
+
+def group_label(group: int) -> str:
+    top = KV_PAD << group
+    return f"KV <= {top}" if group <= 1 else f"KV {(top >> 1) + KV_PAD}-{top}"
+
+
+@dataclass(frozen=True)
+class BatchDiffs:
+    """Largest |logit difference| between rows verified in a batch of b tokens and the same rows
+    decoded one at a time, at one KV length; diffs[b - 2] for b = 2, 3, ...
+
+    Measurement stops at the first size over the bound it was taken for, so later sizes are
+    unknown unless `complete`.
+    """
+
+    n_kv: int
+    diffs: tuple[float, ...]
+    complete: bool
+    seconds: float = 0.0  # how long the measurement took
+    verify_seconds: tuple[float, ...] = ()  # time of one decode of 1, 2, ... tokens, as measured
+
+    def diff(self, n_batch: int) -> float:
+        return 0.0 if n_batch <= 1 else self.diffs[n_batch - 2]
+
+    def covers(self, bound: float) -> bool:
+        """Whether the largest allowed size under bound is known from what was measured."""
+        return self.complete or any(d > bound for d in self.diffs)
+
+    def largest_batch(self, bound: float) -> int:
+        """The largest b such that every size 2..b differs by at most bound."""
+        for i, d in enumerate(self.diffs):
+            if d > bound:
+                return i + 1
+        return len(self.diffs) + 1
+
+    def as_dict(self) -> dict:
+        return {"n_kv": self.n_kv, "diffs": list(self.diffs), "complete": self.complete,
+                "seconds": self.seconds, "verify_seconds": list(self.verify_seconds)}
+
+
+class DiffTable:
+    """One target's BatchDiffs per KV group, measured when a generation first needs them.
+
+    measure(n_past, bound) runs the probe on the target with n_past tokens cached and returns
+    BatchDiffs for that KV length (it may come from the on-disk cache).
+    """
+
+    def __init__(self, measure: Callable[[int, float], BatchDiffs], n_ctx: int):
+        self._measure = measure
+        self.n_ctx = n_ctx
+        self.groups: dict[int, BatchDiffs] = {}
+
+    def get(self, n_past: int, bound: float) -> Optional[BatchDiffs]:
+        """Measurements for a verify starting at n_past. Where the probe cannot run (its rows
+        would cross a KV padding step or the end of the context) it is what is known so far:
+        None, or a record that vouches only for the sizes it measured."""
+        n_kv = kv_length(n_past + 1, self.n_ctx)
+        group = kv_group(n_kv)
+        have = self.groups.get(group)
+        if have is not None and have.covers(bound):
+            return have
+        if n_past + MAX_VERIFY > n_kv:
+            return have
+        self.groups[group] = self._measure(n_past, bound)
+        return self.groups[group]
+
+
+class Limits:
+    """The verify-size limit of each round, and the difference its rows may carry."""
+
+    def __init__(self, level: Level, table: Optional[DiffTable]):
+        self.level = level
+        self.table = table
+        self.used: dict[str, int] = {}  # KV group label -> the limit rounds met there
+        self._drift = 0.0  # largest difference of any batch so far: later rows attend to its KV
+
+    def max_batch(self, n_past: int) -> int:
+        """Largest verify batch for rows at positions n_past.. (1 = decode plainly)."""
+        if not self.level.limited or self.table is None:
+            return UNLIMITED
+        diffs = self.table.get(n_past, self.level.bound)
+        n_kv = kv_length(n_past + 1, self.table.n_ctx)
+        # measured 1 while the probe could not run yet (it will at the next KV padding step)
+        limit = 1 if diffs is None else diffs.largest_batch(self.level.bound)
+        self.used[group_label(kv_group(n_kv))] = limit
+        # a batch past the padding step would attend over a longer KV than its single-token
+        # rows did, which past 512 is another kernel path
+        return min(limit, n_kv - n_past)
+
+    def tolerance(self, n_past: int, n_batch: int) -> float:
+        """Twice the largest difference rows of this batch may carry (0: bitwise)."""
+        if not self.level.limited or self.table is None:
+            return math.nan  # unmeasured: near-ties cannot be judged
+        group = kv_group(kv_length(n_past + 1, self.table.n_ctx))
+        diffs = self.table.groups.get(group)
+        d = diffs.diff(n_batch) if diffs is not None and n_batch > 1 else 0.0
+        self._drift = max(self._drift, d)
+        return 2.0 * self._drift
+
+
+def near_tie(row: np.ndarray, tolerance: float) -> bool:
+    """Whether another logit is within tolerance of the row's largest: the rows where a
+    difference of tolerance / 2 per logit could change the greedy choice."""
+    return tolerance > 0 and int(np.count_nonzero(row >= row.max() - tolerance)) > 1
