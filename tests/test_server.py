@@ -1,0 +1,211 @@
+"""A real `specllama serve` on a free 127.0.0.1 port, driven by the real openai client."""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+
+from conftest import SETTINGS
+from prompts import CODE
+
+KEY = "test-key-123"
+MESSAGES = [{"role": "user", "content": "Write a Python function that reverses a string."}]
+N_TOKENS = 24
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server(model_paths, tmp_path_factory):
+    """The server process; yields (base url, /health statuses seen while it started)."""
+    port = free_port()
+    log = tmp_path_factory.mktemp("serve") / "serve.log"
+    cmd = [sys.executable, "-m", "specllama", "serve", str(model_paths["target"]), "--draft",
+           str(model_paths["draft"]), "--ctx", str(SETTINGS["n_ctx"]), "--threads", str(SETTINGS["n_threads"]),
+           "--port", str(port), "--api-key", KEY, "--model-id", "qwen-test"]
+    with open(log, "w") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
+    base, seen = f"http://127.0.0.1:{port}", []
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            assert proc.poll() is None, log.read_text()
+            try:
+                seen.append(httpx.get(f"{base}/health", timeout=5).status_code)
+            except httpx.TransportError:
+                pass
+            if seen and seen[-1] == 200:
+                break
+            time.sleep(0.05)
+        assert seen and seen[-1] == 200, log.read_text()
+        yield base, seen
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server[0] + "/v1", api_key=KEY, max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def expected_chat(pair):
+    return pair.chat(MESSAGES, max_tokens=N_TOKENS)
+
+
+def test_health_says_loading_then_ok(server):
+    base, seen = server
+    assert 503 in seen, seen  # asked while the model was still loading
+    assert httpx.get(f"{base}/health").json() == {"status": "ok"}  # no key needed
+
+
+def test_models_lists_the_target(client):
+    (model,) = client.models.list().data
+    assert model.id == "qwen-test" and model.object == "model" and model.owned_by and model.created > 0
+
+
+def test_chat_equals_spec_llama_chat_with_usage_and_draft_timings(client, pair, expected_chat):
+    r = client.chat.completions.create(model="qwen-test", messages=MESSAGES, temperature=0, max_tokens=N_TOKENS,
+                                       extra_body={"n_draft": 2})
+    assert r.choices[0].message.content == expected_chat.text
+    assert r.choices[0].finish_reason == "length"
+    assert r.usage.prompt_tokens == len(pair.chat_tokens(MESSAGES))
+    assert r.usage.completion_tokens == len(expected_chat.tokens)
+    assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
+    timings = r.model_extra["timings"]
+    assert timings["draft_n"] > 0 and timings["draft_n_accepted"] > 0
+    assert timings["predicted_n"] == N_TOKENS and timings["predicted_per_second"] > 0
+
+
+def test_speculative_false_turns_drafting_off_for_one_request(client, expected_chat):
+    r = client.chat.completions.create(model="qwen-test", messages=MESSAGES, temperature=0, max_tokens=N_TOKENS,
+                                       extra_body={"speculative": False})
+    assert r.choices[0].message.content == expected_chat.text
+    assert r.model_extra["timings"]["draft_n"] == 0
+
+
+def test_streamed_chat_with_usage(client, expected_chat):
+    chunks = list(client.chat.completions.create(
+        model="qwen-test", messages=MESSAGES, temperature=0, max_tokens=N_TOKENS, stream=True,
+        stream_options={"include_usage": True}, extra_body={"n_draft": 3}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == expected_chat.text
+    last_choice = [c for c in chunks if c.choices][-1]
+    assert last_choice.choices[0].finish_reason == "length"
+    assert last_choice.model_extra["timings"]["draft_n"] > 0
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == N_TOKENS
+
+
+def test_completions_plain_and_streamed(client, pair):
+    expected = pair.generate(CODE, max_tokens=N_TOKENS)
+    r = client.completions.create(model="qwen-test", prompt=CODE, temperature=0, max_tokens=N_TOKENS)
+    assert r.choices[0].text == expected.text and r.object == "text_completion"
+    assert r.usage.completion_tokens == len(expected.tokens)
+    streamed = list(client.completions.create(model="qwen-test", prompt=CODE, temperature=0,
+                                              max_tokens=N_TOKENS, stream=True))
+    assert "".join(c.choices[0].text for c in streamed) == expected.text
+    assert streamed[-1].choices[0].finish_reason == "length"
+
+
+def test_two_concurrent_requests_run_in_order(client, expected_chat):
+    done: dict[str, tuple[float, str]] = {}
+
+    def ask(name: str) -> None:
+        r = client.chat.completions.create(model="qwen-test", messages=MESSAGES, temperature=0,
+                                           max_tokens=N_TOKENS, extra_body={"n_draft": 2})
+        done[name] = (time.monotonic(), r.choices[0].message.content)
+
+    first = threading.Thread(target=ask, args=("first",))
+    second = threading.Thread(target=ask, args=("second",))
+    first.start()
+    time.sleep(0.3)
+    second.start()
+    first.join(120)
+    second.join(120)
+    assert done["first"][1] == done["second"][1] == expected_chat.text
+    assert done["first"][0] < done["second"][0]
+
+
+def test_a_client_that_disconnects_mid_stream_leaves_the_model_consistent(server, client, expected_chat):
+    base, _ = server
+    body = {"model": "qwen-test", "messages": MESSAGES, "temperature": 0, "max_tokens": 200, "stream": True,
+            "n_draft": 2}
+    with httpx.stream("POST", f"{base}/v1/chat/completions", json=body, timeout=60,
+                      headers={"Authorization": f"Bearer {KEY}"}) as r:
+        events = 0
+        for line in r.iter_lines():
+            events += line.startswith("data:")
+            if events == 4:
+                break  # leave mid-stream: the connection closes here
+    r = client.chat.completions.create(model="qwen-test", messages=MESSAGES, temperature=0, max_tokens=N_TOKENS,
+                                       extra_body={"n_draft": 2})
+    assert r.choices[0].message.content == expected_chat.text
+
+
+def post(server, path: str, body, key: str | None = KEY) -> httpx.Response:
+    headers = {"Content-Type": "application/json"} | ({"Authorization": f"Bearer {key}"} if key else {})
+    data = body if isinstance(body, (str, bytes)) else json.dumps(body)
+    return httpx.post(f"{server[0]}{path}", content=data, headers=headers, timeout=60)
+
+
+BAD = [
+    ("malformed JSON", "/v1/chat/completions", '{"messages": [', 400, None),
+    ("no messages", "/v1/chat/completions", {"model": "qwen-test"}, 400, "messages"),
+    ("max_tokens of the wrong type", "/v1/completions", {"prompt": "hi", "max_tokens": "many"}, 400, "max_tokens"),
+    ("a model not served", "/v1/chat/completions", {"model": "gpt-4", "messages": MESSAGES}, 400, "model"),
+    ("n_draft out of range", "/v1/chat/completions", {"messages": MESSAGES, "n_draft": 500}, 400, "n_draft"),
+    ("logit_bias cannot be honoured", "/v1/completions", {"prompt": "hi", "logit_bias": {"1": 5}}, 400, "logit_bias"),
+    ("a prompt longer than the context", "/v1/completions", {"prompt": "word " * 5000}, 413, "prompt"),
+]
+
+
+@pytest.mark.parametrize("name, path, body, status, param", BAD, ids=[b[0] for b in BAD])
+def test_bad_input_gets_an_openai_error_and_the_server_lives_on(server, client, expected_chat, name, path, body,
+                                                                 status, param):
+    r = post(server, path, body)
+    assert r.status_code == status, r.text
+    error = r.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["message"]
+    assert error["param"] == param
+    ok = client.chat.completions.create(model="qwen-test", messages=MESSAGES, temperature=0, max_tokens=N_TOKENS)
+    assert ok.choices[0].message.content == expected_chat.text
+
+
+def test_the_api_key_guards_every_endpoint_but_health(server):
+    for key in (None, "wrong"):
+        r = post(server, "/v1/completions", {"prompt": "hi", "max_tokens": 2}, key=key)
+        assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+        assert httpx.get(f"{server[0]}/v1/models", headers={"Authorization": f"Bearer {key}"}).status_code == 401
+    assert httpx.get(f"{server[0]}/health").status_code == 200
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=server[0] + "/v1", api_key="wrong", max_retries=0).models.list()
+
+
+def test_metrics_in_prometheus_format(server, client):
+    client.chat.completions.create(model="qwen-test", messages=MESSAGES, temperature=0, max_tokens=4,
+                                   extra_body={"n_draft": 2})
+    text = httpx.get(f"{server[0]}/metrics", headers={"Authorization": f"Bearer {KEY}"}).text
+    values = {line.split(" ")[0]: float(line.split(" ")[1]) for line in text.splitlines()
+              if line and not line.startswith("#")}
+    assert values["specllama_generated_tokens_total"] >= 4
+    assert values["specllama_drafted_tokens_total"] > 0 and "specllama_accepted_tokens_total" in values
+    assert values['specllama_requests_total{endpoint="/v1/chat/completions",status="200"}'] >= 1
+    assert values['specllama_phase_seconds_total{phase="verify"}'] > 0
