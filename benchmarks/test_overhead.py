@@ -48,13 +48,18 @@ def test_overhead_per_round(benchmark, temperature):
 
 
 def controller_round(controller, confidences, n_accepted, t_verify):
-    source, k = controller.plan(16, 0, 0)
+    from specllama.proposers import Proposal
+
+    source, k = controller.plan(16, 2, 8)
     drafted = []
     for c in confidences[:k]:
         drafted.append(c)
         if controller.draft_more(drafted) != "more":
             break
-    controller.observe(source, drafted, min(n_accepted, len(drafted)), len(drafted) + 1, t_verify)
+    n = min(n_accepted, len(drafted))
+    offer = list(range(8))
+    controller.observe(source, Proposal(list(range(len(drafted))), None, drafted), list(range(n + 1)), t_verify,
+                       offer, True)
 
 
 def test_controller_overhead_per_round(benchmark):

@@ -25,9 +25,9 @@ import bisect
 import statistics
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Optional
 
 import numpy as np
 
@@ -146,15 +146,22 @@ class Acceptance:
         self.mean_hits *= self.decay
         self.mean_seen *= self.decay
 
-    def observe(self, confidences: list[float], n_accepted: int) -> None:
+    def observe(self, confidences: Sequence[float], n_accepted: int) -> None:
         """A round's drafts with their confidences; the target judged up to the first rejection."""
         n_judged = min(len(confidences), n_accepted + 1)
         for i, c in enumerate(confidences[:n_judged]):
-            b = bisect.bisect_right(CONFIDENCE_EDGES, c)
-            self.seen[b] += 1
-            self.hits[b] += i < n_accepted
-        self.mean_seen += n_judged
-        self.mean_hits += n_accepted
+            self.judge(c, i < n_accepted, proposed=True)
+
+    def judge(self, confidence: float, accepted: bool, *, proposed: bool) -> None:
+        """One judged draft token. A token the draft dropped (not proposed) but whose position
+        the round reached is judged too, against the target's own token there: without it the
+        low-confidence bins would never learn, since low confidence is where drafting stops."""
+        b = bisect.bisect_right(CONFIDENCE_EDGES, confidence)
+        self.seen[b] += 1
+        self.hits[b] += accepted
+        if proposed:
+            self.mean_seen += 1
+            self.mean_hits += accepted
 
 
 class FixedDraft:
@@ -176,8 +183,8 @@ class FixedDraft:
     def draft_more(self, confidences: list[float]) -> str:
         return "more"
 
-    def observe(self, source: str, confidences: list[float], n_accepted: int, n_verify: int,
-                t_verify: float) -> None:
+    def observe(self, source: str, proposal: Any, new: list[int], t_verify: float, offer: list[int],
+                greedy: bool) -> None:
         pass
 
     def as_dict(self) -> dict:
@@ -222,7 +229,7 @@ class Controller:
     def plan(self, k_cap: int, n_match: int, n_lookup: int) -> tuple[str, int]:
         """The source ("none", "draft", "lookup") and most tokens to draft this round."""
         k_cap = min(k_cap, self.limit)
-        self._round = None
+        self._round, self._match = None, n_match
         best, choice = 1.0 / self._v[1], ("none", 0)
         if k_cap <= 0 or self.costs.wants(1):
             # a plain round now and then keeps v(1), the figure every choice is weighed
@@ -242,7 +249,6 @@ class Controller:
             for m in range(1, choice[1] + 1):
                 gain.append(gain[-1] + alpha ** m)  # expected extra tokens from m more drafts
             self._round = _Round(choice[1], gain, self._v.tolist())
-        self._match = n_match
         return choice
 
     def draft_more(self, confidences: list[float]) -> str:
@@ -268,20 +274,33 @@ class Controller:
                 return "more"
         return "stop"
 
-    def observe(self, source: str, confidences: list[float], n_accepted: int, n_verify: int,
-                t_verify: float) -> None:
-        """What a round did: its source, the drafts' confidences, what the target accepted."""
-        self.costs.observe_verify(n_verify, t_verify)
+    def observe(self, source: str, proposal: Any, new: list[int], t_verify: float, offer: list[int],
+                greedy: bool) -> None:
+        """What a round did: its source and proposal (tokens, confidences, a dropped token),
+        the tokens it produced (accepted drafts, then the target's own), its verify time, and
+        what prompt lookup offered at its start."""
+        n_drafted = len(proposal.tokens)
+        n_accepted = len(new) - 1
+        self.costs.observe_verify(n_drafted + 1, t_verify)
         self.draft_acceptance.age()
         self.lookup_hits *= self.draft_acceptance.decay
         self.lookup_seen *= self.draft_acceptance.decay
-        n_drafted = n_verify - 1
         if source == "draft":
-            self.draft_acceptance.observe(confidences, n_accepted)
-        elif source == "lookup":
+            self.draft_acceptance.observe(proposal.confidence, n_accepted)
+            if proposal.dropped is not None and greedy and n_accepted == n_drafted:
+                token, confidence = proposal.dropped  # its position was reached: new[-1] is the target's
+                self.draft_acceptance.judge(confidence, new[-1] == token, proposed=False)
+        if offer:
+            # lookup's offer, judged against what the round produced whoever proposed: free
+            # evidence, so lookup is weighed on its record even in rounds it was not chosen
+            n_judged = 0
+            for offered, produced in zip(offer, new):
+                n_judged += 1
+                if offered != produced:
+                    break
             i = min(self._match, 4)
-            self.lookup_seen[i] += min(n_drafted, n_accepted + 1)
-            self.lookup_hits[i] += n_accepted
+            self.lookup_seen[i] += n_judged
+            self.lookup_hits[i] += n_judged - (offer[n_judged - 1] != new[n_judged - 1])
         self._v = self.costs.table(self.limit + 1)
         self._c_d = self.costs.draft_token
 

@@ -67,10 +67,11 @@ def generate_steps(
             n_verify_max = limits.max_batch(n_past) if proposer is not None else 1
             t1 = time.perf_counter()
             # 2. propose from the source and as far as the policy wants, within limits and context
-            source, n_draft, proposal = "none", 0, EMPTY
+            source, n_draft, proposal, offer = "none", 0, EMPTY, []
             if proposer is not None:
                 k_cap = min(target.n_ctx - len(tokens), n_verify_max - 1)
-                source, n_draft = policy.plan(k_cap, *proposer.lookup_offer(tokens))
+                n_match, offer = proposer.lookup_offer(tokens, k_cap)
+                source, n_draft = policy.plan(k_cap, n_match, len(offer))
             if n_draft > 0:
                 proposal = proposer.propose(tokens, source, n_draft, sampling, rng, policy.draft_more)
             t2 = time.perf_counter()
@@ -91,7 +92,7 @@ def generate_steps(
             stats.t_verify += t3 - t2
             stats.record_round(len(proposal.tokens), n_accepted, source)
             if proposer is not None:
-                policy.observe(source, list(proposal.confidence), n_accepted, len(proposal.tokens) + 1, t3 - t2)
+                policy.observe(source, proposal, new, t3 - t2, offer, sampling.greedy)
             yield Step(new, n_accepted)
     finally:
         # interrupted between verify and rollback: drop the unverified rows

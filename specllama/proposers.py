@@ -17,6 +17,7 @@ class Proposal(NamedTuple):
     tokens: list[int]
     q: Optional[list[Optional[Dist]]] = None  # None: deterministic proposals (greedy or lookup)
     confidence: Sequence[float] = ()  # the draft model's probability of each token it drafted
+    dropped: Optional[tuple[int, float]] = None  # a token drafted but not proposed, with its confidence
 
 
 EMPTY = Proposal([])
@@ -67,9 +68,9 @@ class DraftModelProposer:
                 confidence.append(q_i.prob(x))
             decision = draft_more(confidence)
             if decision == "drop":
-                confidence.pop()
+                dropped = (x, confidence.pop())
                 del q[len(drafted):]
-                break
+                return Proposal(drafted, q or None, confidence, dropped)
             drafted.append(x)
             if decision == "stop" or i + 1 == n_draft:
                 break
@@ -142,12 +143,12 @@ class Proposer:
             if source is not None:
                 source.prefill(tokens)
 
-    def lookup_offer(self, tokens: Sequence[int]) -> tuple[int, int]:
-        """(n-gram length of prompt lookup's match, tokens it could propose), or (0, 0)."""
-        if self.lookup is None:
-            return 0, 0
+    def lookup_offer(self, tokens: Sequence[int], n_max: int) -> tuple[int, list[int]]:
+        """(n-gram length of prompt lookup's match, up to n_max tokens it would propose)."""
+        if self.lookup is None or n_max <= 0:
+            return 0, []
         n, start = self.lookup.match(tokens)
-        return (n, len(tokens) - start) if n else (0, 0)
+        return (n, list(tokens[start:start + n_max])) if n else (0, [])
 
     def propose(self, tokens: Sequence[int], source: str, n_draft: int, sampling: SamplingSettings,
                 rng: np.random.Generator, draft_more: DraftMore) -> Proposal:

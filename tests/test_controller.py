@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from specllama.controller import (Acceptance, Controller, Costs, FixedDraft, OnlineCosts, draft_can_pay)
+from specllama.proposers import Proposal
 
 # memory-bound target (F16 on a Mac or an RTX card): a pass over k+1 tokens costs little more than one
 MEMORY_BOUND = Costs(verify=tuple(0.100 + 0.004 * n for n in range(1, 18)), draft_token=0.010)
@@ -32,7 +33,7 @@ def simulate(policy, true: Costs, stream, n_rounds: int, seed: int = 0, clock: C
     n_tokens, elapsed, lengths = 0, 0.0, []
     for _ in range(n_rounds):
         source, k = policy.plan(16, 0, 0)
-        confidences, accepted, n_decodes = [], [], 0
+        confidences, accepted, n_decodes, dropped = [], [], 0, None
         if source == "draft":
             for _ in range(k):
                 n_decodes += 1
@@ -43,18 +44,23 @@ def simulate(policy, true: Costs, stream, n_rounds: int, seed: int = 0, clock: C
                 accepted.append(ok)
                 decision = policy.draft_more(confidences)
                 if decision == "drop":
-                    confidences.pop()
-                    accepted.pop()
+                    dropped = (ACCEPTED if accepted.pop() else REJECTED, confidences.pop())
                     break
                 if decision == "stop":
                     break
         n_acc = next((i for i, ok in enumerate(accepted) if not ok), len(accepted))
         t_verify = true.v(len(confidences) + 1)
-        policy.observe(source, confidences, n_acc, len(confidences) + 1, t_verify)
+        # the target's token after the accepted drafts: what a dropped draft would have been judged by
+        new = [ACCEPTED] * n_acc + [ACCEPTED if dropped is not None and dropped[0] == ACCEPTED else REJECTED]
+        proposal = Proposal([ACCEPTED] * len(confidences), None, confidences, dropped)
+        policy.observe(source, proposal, new, t_verify, [], True)
         n_tokens += n_acc + 1
         elapsed += n_decodes * true.draft_token + t_verify
         lengths.append(len(confidences))
     return n_tokens / elapsed, lengths
+
+
+ACCEPTED, REJECTED = 1, 2  # token ids in the simulation: the target's choice, and another
 
 
 def constant(alpha: float, confidence: float = 0.8):
@@ -155,15 +161,39 @@ def test_online_costs_are_robust_to_one_slow_round():
 def test_lookup_is_chosen_when_it_is_predicted_to_yield_more():
     policy = controller(MEMORY_BOUND, lookup=True)
     choices = []
-    for _ in range(30):  # an edit: lookup's proposals are copied through
+    offer = list(range(100, 112))  # an edit: lookup offers 12 tokens the output then copies
+    for _ in range(30):
         source, k = policy.plan(16, 4, 12)
         choices.append(source)
-        n_accepted = 12 if source == "lookup" else 0
-        policy.observe(source, [], n_accepted, (k if source == "lookup" else 0) + 1, MEMORY_BOUND.v(k + 1))
-    assert choices[:3] == ["none"] * 3  # plain rounds measure v(1) first
+        proposal = Proposal(offer[:k] if source == "lookup" else [])
+        new = offer[:k] + [7] if source == "lookup" else offer[:1]
+        policy.observe(source, proposal, new, MEMORY_BOUND.v(len(proposal.tokens) + 1), offer, True)
+    assert choices[:3] == ["none"] * 3  # plain rounds measure v(1), and judge the offers meanwhile
     assert choices[3:].count("lookup") >= 25
     assert policy.plan(16, 4, 12) == ("lookup", 12)
     assert policy.plan(16, 0, 0)[0] == "draft"  # no match: the draft model
+
+
+def test_lookup_is_judged_in_rounds_it_was_not_chosen():
+    """Its offers are compared with what the rounds produced, so a good lookup gets chosen
+    even while the draft model holds the rounds, and a poor one is dropped."""
+    good, poor = controller(MEMORY_BOUND, lookup=True), controller(MEMORY_BOUND, lookup=True)
+    offer = [5, 6, 7, 8]
+    for _ in range(20):
+        good.plan(16, 4, len(offer))  # plan sees the offer first, as in the loop
+        poor.plan(16, 4, len(offer))
+        good.observe("draft", Proposal([5, 6], None, [0.9, 0.9]), [5, 6, 7], 0.1, offer, True)
+        poor.observe("draft", Proposal([5, 6], None, [0.9, 0.9]), [5, 6, 7], 0.1, [9, 9, 9, 9], True)
+    assert good.lookup_alpha(4) > 0.9 and poor.lookup_alpha(4) < 0.1
+
+
+def test_a_dropped_draft_is_judged_when_its_position_is_reached():
+    acc = Controller(OnlineCosts(MEMORY_BOUND), 16, has_draft=True, lookup=False).draft_acceptance
+    policy = Controller(OnlineCosts(MEMORY_BOUND), 16, has_draft=True, lookup=False)
+    for _ in range(30):  # the draft is unsure (0.4) of tokens the target then picks anyway
+        policy.observe("draft", Proposal([3], None, [0.97], dropped=(4, 0.4)), [3, 4], 0.1, [], True)
+    assert policy.draft_acceptance.predict(0.4) > 0.9 > acc.predict(0.4)
+    assert policy.draft_acceptance.mean_seen < 30  # only proposed tokens count toward the mean
 
 
 def test_acceptance_counts_only_judged_positions():
