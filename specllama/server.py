@@ -278,18 +278,16 @@ class _StreamRun:
     async def events(self, include_usage: bool) -> AsyncIterator[str]:
         """SSE data: the chunks (timings on the last), a usage chunk if asked, then [DONE]."""
         try:
-            pending = None
+            last = None
             while (item := await self.queue.get()) is not None:
                 if isinstance(item, BaseException):
                     raise item
-                if pending is not None:
-                    yield json.dumps(pending)
-                pending = item
-            if pending is not None:
-                pending["timings"] = timings(self.completion.stats)  # on the last chunk, as llama.cpp does
-                yield json.dumps(pending)
+                if item["choices"][0]["finish_reason"] is not None:
+                    item["timings"] = timings(self.completion.stats)  # the last chunk, as llama.cpp does
+                last = item
+                yield json.dumps(item)  # at once: holding one back would delay each token a round
             if include_usage:
-                yield json.dumps({"id": self.completion.id, "object": pending["object"] if pending else
+                yield json.dumps({"id": self.completion.id, "object": last["object"] if last else
                                   "chat.completion.chunk", "created": self.completion.created,
                                   "model": self.completion.model, "choices": [], "usage": self.completion.usage()})
             yield "[DONE]"
