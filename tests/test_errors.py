@@ -95,7 +95,7 @@ BAD_CALLS = [
     (dict(stop=[""]), InvalidParameterError, "stop="),
     (dict(top_k=-2), InvalidParameterError, "top_k=-2"),
     (dict(min_p=2.0), InvalidParameterError, "min_p=2.0"),
-    (dict(exact="fuzzy"), InvalidParameterError, "exact='fuzzy' .* bitwise"),
+    (dict(exact="fuzzy"), InvalidParameterError, "exact='fuzzy' is invalid.*bitwise.*rounding"),
     (dict(exact=-0.5), InvalidParameterError, "exact=-0.5"),
 ]
 
