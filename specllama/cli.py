@@ -127,13 +127,18 @@ def run(ctx: click.Context, model: str, prompt: Optional[str], draft: str, n_dra
         result = stream.result
         if status is not None:
             status.clear()
+        why_not = _why_not_speculating(llm, result.stats)
+        if not as_json:
+            click.echo()
+            draft_name = llm.draft.name if llm.draft else ("prompt lookup" if llm.lookup else "no draft")
+            click.echo(f"[{draft_name}] {result.stats.summary()}, finish: {result.finish_reason}", err=True)
+            if why_not:
+                click.echo(f"speculation off: {why_not}", err=True)
         plain = None
         if compare:
             if not as_json:
-                click.echo()
                 click.echo("[decoding the same prompt plainly to compare ...]", err=True)
             plain = llm.generate(tokens, **{**options, "n_draft": 0})
-        why_not = _why_not_speculating(llm, result.stats)
         if as_json:
             out = {"text": result.text, "tokens": result.tokens, "finish_reason": result.finish_reason,
                    "stats": result.stats.as_dict(),
@@ -143,13 +148,7 @@ def run(ctx: click.Context, model: str, prompt: Optional[str], draft: str, n_dra
                 out["plain"] = {"stats": plain.stats.as_dict(), "identical": plain.tokens == result.tokens,
                                 "speedup": _speedup(result, plain)}
             click.echo(json.dumps(out))
-            return
-        click.echo()
-        draft_name = llm.draft.name if llm.draft else ("prompt lookup" if llm.lookup else "no draft")
-        click.echo(f"[{draft_name}] {result.stats.summary()}, finish: {result.finish_reason}", err=True)
-        if why_not:
-            click.echo(f"speculation off: {why_not}", err=True)
-        if plain is not None:
+        elif plain is not None:
             _print_comparison(result, plain)
 
 
