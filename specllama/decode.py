@@ -6,6 +6,7 @@ which simply stops iterating. Plain decoding is the same loop with no proposer.
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -102,7 +103,7 @@ def generate_steps(
 def _count_near_ties(target: Runtime, n_rows: int, tolerance: float, n_generated: int, stats: Stats) -> None:
     """Record the accepted rows whose top two logits are within tolerance: the only places
     where plain decoding could have chosen another token."""
-    if tolerance != tolerance:  # NaN: this level measured nothing, so nothing can be judged
+    if math.isnan(tolerance):  # this level measured nothing, so nothing can be judged
         stats.near_ties = None
         return
     for i in range(n_rows):
