@@ -26,7 +26,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from sse_starlette.sse import EventSourceResponse
 from starlette.concurrency import run_in_threadpool
 
-from .completions import NEUTRAL, Completion, check_supported, generate_options, timings
+from .completions import IGNORED, NEUTRAL, Completion, check_supported, generate_options, timings
 from .errors import InvalidParameterError, PromptTooLongError, SpecLlamaError
 
 log = logging.getLogger("specllama")
@@ -189,7 +189,7 @@ def create_app(load: Callable[[], Any], model_id: str, api_key: Optional[str] = 
         if body.model is not None and body.model != model_id:
             raise ApiError(400, f"model {body.model!r} is not served here; this server serves {model_id!r}",
                            param="model", code="model_not_found")
-        extra = {k: v for k, v in (body.model_extra or {}).items() if k in NEUTRAL or k in ("n", "user")}
+        extra = {k: v for k, v in (body.model_extra or {}).items() if k in NEUTRAL or k in IGNORED}
         unknown = sorted(set(body.model_extra or {}) - set(extra) - {"max_completion_tokens"})
         try:
             check_supported(extra)
