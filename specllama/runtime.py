@@ -194,7 +194,9 @@ def _init_backend() -> None:
 class _Model:
     def __init__(self, path: Path, settings: ModelSettings, stack: ExitStack):
         params = llama_cpp.llama_model_default_params()
-        params.n_gpu_layers = settings.n_gpu_layers if settings.n_gpu_layers >= 0 else 2**31 - 1
+        # -1 is llama.cpp's own "all layers"; a large count instead puts every layer on the CPU
+        # once any device is present (load_tensors computes a negative first GPU layer)
+        params.n_gpu_layers = settings.n_gpu_layers
         params.load_mode = llama_cpp.LLAMA_LOAD_MODE_MMAP if settings.use_mmap else llama_cpp.LLAMA_LOAD_MODE_NONE
         self.ptr = llama_cpp.llama_model_load_from_file(str(path).encode("utf-8"), params)
         if not self.ptr:
