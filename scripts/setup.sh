@@ -3,9 +3,11 @@
 #
 #   bash scripts/setup.sh                # set up (the first run compiles llama.cpp, ~10 min on 2 cores)
 #   bash scripts/setup.sh --print-build  # only say which llama.cpp build this machine gets, and why
+#   SPECLLAMA_RPC=0 bash scripts/setup.sh  # leave out llama.cpp's RPC backend (specllama worker, --rpc)
 #
 # The build: your CMAKE_ARGS if set; else Metal on Apple Silicon, CUDA where an NVIDIA GPU and
-# the CUDA toolkit (nvcc) are present, CPU otherwise. The compiled wheel is kept in
+# the CUDA toolkit (nvcc) are present, CPU otherwise; each with the RPC backend, which adds
+# two source files to the build (measured in the README). The compiled wheel is kept in
 # ~/.cache/specllama/wheels under a key of its build arguments, so a change of build compiles
 # again while a fresh checkout on the same machine reuses it (pip's own cache ignores CMAKE_ARGS).
 set -euo pipefail
@@ -55,6 +57,9 @@ for the CPU on purpose with CMAKE_ARGS=-DGGML_CUDA=off"
 }
 
 choose_build
+if [ -z "${CMAKE_ARGS:-}" ] && [ "${SPECLLAMA_RPC:-1}" != 0 ] && [ "$BUILD" != missing-cuda-toolkit ]; then
+  BUILD_ARGS="${BUILD_ARGS:+$BUILD_ARGS }-DGGML_RPC=ON" BUILD="$BUILD+rpc"
+fi
 if [ "${1:-}" = "--print-build" ]; then
   echo "build: $BUILD"
   echo "CMAKE_ARGS: $BUILD_ARGS"

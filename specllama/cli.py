@@ -52,6 +52,12 @@ def _model_options(f):
                      help="Fidelity: bitwise = token for token the target alone at any length; rounding = "
                           "verify batches that differ by float rounding only (near-ties counted); off = no limit."),
         click.option("--inexact", is_flag=True, hidden=True, help="Same as --exact off."),
+        click.option("--rpc", default=None, envvar="SPECLLAMA_RPC_WORKERS",
+                     help="host:port,... of llama.cpp RPC workers (specllama worker) that hold the target's "
+                          "offloaded layers; the draft stays on this machine."),
+        click.option("--tensor-split", default=None,
+                     help="Share of the offloaded layers per device, e.g. 3,1 (default: by free memory)."),
+        click.option("--draft-rpc", default=None, help="RPC workers for the draft too (default: none, local)."),
         click.option("-v", "--verbose", is_flag=True, help="Show llama.cpp logs and full tracebacks."),
     ]):
         f = option(f)
@@ -59,7 +65,8 @@ def _model_options(f):
 
 
 def _load(model: str, draft: str, n_draft: Optional[int], n_ctx: int, n_threads: Optional[int],
-          n_gpu_layers: int, draft_n_gpu_layers: Optional[int], exact: str, inexact: bool, verbose: bool):
+          n_gpu_layers: int, draft_n_gpu_layers: Optional[int], exact: str, inexact: bool, rpc: Optional[str],
+          tensor_split: Optional[str], draft_rpc: Optional[str], verbose: bool):
     from .draft_select import resolve_pair
     from .engine import load
 
@@ -70,6 +77,9 @@ def _load(model: str, draft: str, n_draft: Optional[int], n_ctx: int, n_threads:
     settings: dict[str, Any] = dict(n_ctx=n_ctx, n_threads=n_threads, n_gpu_layers=n_gpu_layers, verbose=verbose)
     if draft_n_gpu_layers is not None:
         settings["draft_n_gpu_layers"] = draft_n_gpu_layers
+    for key, value in (("rpc", rpc), ("tensor_split", tensor_split), ("draft_rpc", draft_rpc)):
+        if value:
+            settings[key] = value
     kwargs = {} if n_draft is None else {"n_draft": n_draft if n_draft == "auto" else _int_option("--n-draft", n_draft)}
     return load(target_path, "ngram" if ngram else draft_path, exact="off" if inexact else exact, **kwargs, **settings)
 
@@ -93,6 +103,7 @@ def _load(model: str, draft: str, n_draft: Optional[int], n_ctx: int, n_threads:
 @click.pass_context
 def run(ctx: click.Context, model: str, prompt: Optional[str], draft: str, n_draft: Optional[int], n_ctx: int,
         n_threads: Optional[int], n_gpu_layers: int, draft_n_gpu_layers: Optional[int], exact: str, inexact: bool,
+        rpc: Optional[str], tensor_split: Optional[str], draft_rpc: Optional[str],
         verbose: bool, max_tokens: int, temperature: float, top_k: int, top_p: float, min_p: float,
         seed: Optional[int], stop: tuple[str, ...], raw: bool, system: Optional[str], as_json: bool,
         compare: bool) -> None:
@@ -106,7 +117,8 @@ def run(ctx: click.Context, model: str, prompt: Optional[str], draft: str, n_dra
         if sys.stdin.isatty():
             raise click.UsageError("give a PROMPT argument or pipe one on stdin")
         prompt = sys.stdin.read()
-    llm = _load(model, draft, n_draft, n_ctx, n_threads, n_gpu_layers, draft_n_gpu_layers, exact, inexact, verbose)
+    llm = _load(model, draft, n_draft, n_ctx, n_threads, n_gpu_layers, draft_n_gpu_layers, exact, inexact,
+                rpc, tensor_split, draft_rpc, verbose)
     with llm:
         options = dict(max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
                        min_p=min_p, seed=seed, stop=list(stop))
@@ -375,7 +387,8 @@ def calibrate_cmd(model: str, draft: str, n_ctx: int, n_threads: Optional[int], 
 @click.pass_context
 def bench_cmd(ctx: click.Context, model: str, prompts_file: str, draft: str, n_draft: Optional[int], n_ctx: int,
               n_threads: Optional[int], n_gpu_layers: int, draft_n_gpu_layers: Optional[int], exact: str,
-              inexact: bool, verbose: bool, max_tokens: int, as_json: bool) -> None:
+              inexact: bool, rpc: Optional[str], tensor_split: Optional[str], draft_rpc: Optional[str],
+              verbose: bool, max_tokens: int, as_json: bool) -> None:
     """Run your own prompts plain vs speculative (auto and fixed lengths) and recommend settings."""
     ctx.meta["specllama.verbose"] = verbose
     prompts = []
@@ -391,7 +404,8 @@ def bench_cmd(ctx: click.Context, model: str, prompts_file: str, draft: str, n_d
         prompts.append(item)
     if not prompts:
         raise click.BadParameter("the file has no prompts", param_hint="--prompts")
-    llm = _load(model, draft, n_draft, n_ctx, n_threads, n_gpu_layers, draft_n_gpu_layers, exact, inexact, verbose)
+    llm = _load(model, draft, n_draft, n_ctx, n_threads, n_gpu_layers, draft_n_gpu_layers, exact, inexact,
+                rpc, tensor_split, draft_rpc, verbose)
     configs: list[Any] = [0, "auto"] + ([2, 4, 8] if llm.speculates else [])
     totals = {c: [0, 0.0, 0] for c in configs}  # tokens, decode seconds, near-ties
     with llm, click.progressbar(length=len(prompts) * len(configs), label="benchmarking",
@@ -460,6 +474,7 @@ def plan_cmd(model: str, draft: str, n_ctx: int, n_gpu_layers: int, draft_n_gpu_
 def doctor_cmd(model: Optional[str], draft: str, n_ctx: int, n_threads: Optional[int], n_gpu_layers: int,
                as_json: bool) -> None:
     """What this llama.cpp build can do here; with MODEL, its fidelity, costs and whether a draft pays."""
+    from . import runtime
     from .doctor import model_report, system_report
 
     report = system_report()
@@ -486,7 +501,8 @@ def doctor_cmd(model: Optional[str], draft: str, n_ctx: int, n_threads: Optional
         return
     info = report["llama_cpp"]
     click.echo(f"llama-cpp-python {info['llama_cpp_python']}: {info['system_info']}")
-    click.echo(f"backends: {', '.join(report['backends'])}; GPU offload: {'yes' if report['gpu_offload'] else 'no'}")
+    click.echo(f"backends: {', '.join(report['backends'])}; GPU offload: {'yes' if report['gpu_offload'] else 'no'}; "
+               f"RPC workers (--rpc, specllama worker): {'yes' if report['rpc'] else 'no, ' + runtime.NO_RPC_BUILD}")
     for d in report["devices"]:
         click.echo(f"  {d['name']} ({d['kind']}, {d['description']}): {d['free'] / 2**30:.1f} of "
                    f"{d['total'] / 2**30:.1f} GiB free")
@@ -518,7 +534,8 @@ def doctor_cmd(model: Optional[str], draft: str, n_ctx: int, n_threads: Optional
 @click.pass_context
 def serve_cmd(ctx: click.Context, model: str, draft: str, n_draft: Optional[str], n_ctx: int,
               n_threads: Optional[int], n_gpu_layers: int, draft_n_gpu_layers: Optional[int], exact: str,
-              inexact: bool, verbose: bool, host: str, port: int, api_key: Optional[str],
+              inexact: bool, rpc: Optional[str], tensor_split: Optional[str], draft_rpc: Optional[str],
+              verbose: bool, host: str, port: int, api_key: Optional[str],
               model_id: Optional[str]) -> None:
     """Serve MODEL over an OpenAI-compatible API (/v1/chat/completions, /v1/completions)."""
     ctx.meta["specllama.verbose"] = verbose
@@ -541,7 +558,7 @@ def serve_cmd(ctx: click.Context, model: str, draft: str, n_draft: Optional[str]
 
     def load():
         return _load(model, draft, n_draft, n_ctx, n_threads, n_gpu_layers, draft_n_gpu_layers, exact, inexact,
-                     verbose)
+                     rpc, tensor_split, draft_rpc, verbose)
 
     if host not in ("127.0.0.1", "localhost", "::1"):
         click.echo(f"warning: listening on {host}, reachable from other machines"
@@ -549,3 +566,47 @@ def serve_cmd(ctx: click.Context, model: str, draft: str, n_draft: Optional[str]
     click.echo(f"serving {name} on http://{host}:{port}/v1 (loading the model; /health says when it is ready)",
                err=True)
     uvicorn.run(create_app(load, name, api_key), host=host, port=port, log_level="info" if verbose else "warning")
+
+
+@main.command("worker")
+@click.option("--host", default="127.0.0.1", show_default=True,
+              help="Address to listen on. llama.cpp's RPC protocol has no authentication: keep it on a trusted network.")
+@click.option("--port", type=click.IntRange(1, 65535), default=50052, show_default=True)
+@click.option("--cache", "cache_dir", type=click.Path(file_okay=False), default=None,
+              help="Keep received tensors here, so a reload sends only their hashes.")
+@click.option("--threads", "n_threads", type=click.IntRange(1), default=None,
+              help="CPU threads when serving the CPU (default: all this process may use).")
+def worker_cmd(host: str, port: int, cache_dir: Optional[str], n_threads: Optional[int]) -> None:
+    """Serve this machine's GPU (or CPU) to a specllama or llama.cpp client over llama.cpp's RPC
+    backend, until interrupted. Clients use it with --rpc HOST:PORT."""
+    import ipaddress
+    import os
+    import signal
+    import threading
+
+    from . import runtime
+
+    try:
+        loopback = host == "localhost" or ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a host name
+        loopback = False
+    if not loopback:
+        click.echo(f"warning: listening on {host}. llama.cpp's RPC protocol has no authentication or encryption: "
+                   "anyone who can reach this port can run code on its devices and read what they hold. "
+                   "Use it only on a network you trust.", err=True)
+    if cache_dir:
+        os.makedirs(cache_dir, exist_ok=True)
+    endpoint = f"{host}:{port}"
+    served = runtime.serve_rpc(endpoint, cache_dir, n_threads or runtime.cpu_count())
+    for device in served:
+        click.echo(f"worker: serving {device.name} ({device.description}), {device.free / 2**30:.1f} GiB free "
+                   f"of {device.total / 2**30:.1f} GiB", err=True)
+    click.echo(f"worker: listening on {endpoint}; use it with --rpc {endpoint} (Ctrl-C stops it)", err=True)
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    try:
+        while not stop.wait(1.0):  # the server runs in ggml's thread; this one waits for a signal
+            pass
+    except KeyboardInterrupt:
+        pass
+    click.echo("worker: stopped", err=True)

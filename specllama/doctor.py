@@ -60,7 +60,7 @@ def system_report() -> dict:
                         f"(backends: {', '.join(runtime.backends())}); rebuild with {REBUILD}")
     return {"llama_cpp": runtime.build_info(), "backends": runtime.backends(),
             "devices": [dataclasses.asdict(d) for d in runtime.devices()], "gpu_offload": offload,
-            "hardware_gpus": gpus, "warnings": warnings}
+            "rpc": runtime.supports_rpc(), "hardware_gpus": gpus, "warnings": warnings}
 
 
 def model_report(target: runtime.Runtime, draft: Optional[runtime.Runtime], n_groups: int = 3) -> dict:

@@ -24,6 +24,7 @@ from .controller import Controller, FixedDraft, OnlineCosts, draft_can_pay
 from .fidelity import MAX_VERIFY, DiffTable, Level, Limits, parse_level
 from .proposers import DraftModelProposer, PromptLookupProposer, Proposer
 from .plan import check as check_plan, make_plan
+from .remote import RemoteRuntime
 from .runtime import ModelSettings, Runtime, open_runtime, resident_bytes, supports_gpu_offload
 from .sampling import SamplingSettings
 from .stats import Stats
@@ -446,11 +447,18 @@ def load(target: Any, draft: Any = None, *, n_draft: Union[int, str] = "auto",
         **model_settings: llama.cpp settings for both models: n_ctx, n_batch, n_threads,
             n_threads_batch, n_gpu_layers, flash_attn, type_k, type_v, use_mmap, verbose.
             Prefix one with draft_ to set it for the draft alone (e.g. draft_n_gpu_layers=0).
+            rpc=["host:port", ...] puts the target's offloaded layers (n_gpu_layers, all by
+            default) on llama.cpp RPC workers (`specllama worker`), split by their free
+            memory or by tensor_split=(share, ...), as llama.cpp's --rpc does; the draft stays
+            on this machine unless draft_rpc is given. rpc_timeout (seconds, default 600)
+            bounds one call on a model with workers; a lost worker raises RpcError naming it.
     Returns:
         A SpecLlama; close() it or use it in a with-block.
     """
     target_kw = {k: v for k, v in model_settings.items() if not k.startswith("draft_")}
-    draft_kw = {**target_kw, **{k[6:]: v for k, v in model_settings.items() if k.startswith("draft_")}}
+    # the draft stays on this machine unless draft_rpc says otherwise
+    draft_kw = {**{k: v for k, v in target_kw.items() if k not in _TARGET_ONLY},
+                **{k[6:]: v for k, v in model_settings.items() if k.startswith("draft_")}}
     for key in set(target_kw) | set(draft_kw):
         if key not in _SETTING_NAMES:
             raise TypeError(f"load() got an unknown setting {key!r}; known: {', '.join(sorted(_SETTING_NAMES))}")
@@ -459,7 +467,11 @@ def load(target: Any, draft: Any = None, *, n_draft: Union[int, str] = "auto",
     if draft == "ngram":
         draft, lookup = None, True
     target_settings, draft_settings = ModelSettings(**target_kw), ModelSettings(**draft_kw)
-    note = offload_note(target_settings.n_gpu_layers)
+    for role, model, settings in (("", target, target_settings), ("draft_", draft, draft_settings)):
+        if settings.rpc and not _is_ref(model):
+            raise InvalidParameterError(f"{role}rpc", settings.rpc, "used with a GGUF path or a Hub reference; a "
+                                        "llama_cpp.Llama keeps the devices it was built with")
+    note = offload_note(target_settings.n_gpu_layers) if not target_settings.rpc else None
     if note is not None:
         log.info(note)
     if _is_ref(target) and (draft is None or _is_ref(draft)):
@@ -468,21 +480,40 @@ def load(target: Any, draft: Any = None, *, n_draft: Union[int, str] = "auto",
         target, draft, notes = resolve_pair(str(target), None if draft is None else str(draft))
         for note in notes:
             log.info(note)
-    if check_memory and _is_ref(target) and (draft is None or _is_ref(draft)):
-        memory = make_plan(Path(target), Path(draft) if draft is not None else None, target_settings,
-                           draft_settings, gpu_offload=supports_gpu_offload())
-        check_plan(memory, target_settings.n_ctx)
-    target_rt = open_runtime(target, target_settings)
-    draft_rt = None
+    opened: list[Any] = []  # what to close if loading fails part way
     try:
+        # a model on RPC workers is hosted by a process of its own, which reports their memory
+        target_host = _rpc_host(target_settings, opened)
+        draft_host = _rpc_host(draft_settings, opened) if draft is not None else None
+        if check_memory and _is_ref(target) and (draft is None or _is_ref(draft)):
+            memory = make_plan(Path(target), Path(draft) if draft is not None else None, target_settings,
+                               draft_settings, gpu_offload=supports_gpu_offload(),
+                               target_devices=target_host and target_host.devices,
+                               draft_devices=draft_host and draft_host.devices)
+            check_plan(memory, target_settings.n_ctx)
+        target_rt = target_host.load(target) if target_host else open_runtime(target, target_settings)
+        opened.append(target_rt)
+        draft_rt = None
         if draft is not None:
-            draft_rt = open_runtime(draft, draft_settings)
+            draft_rt = draft_host.load(draft) if draft_host else open_runtime(draft, draft_settings)
+            opened.append(draft_rt)
         return SpecLlama(target_rt, draft_rt, n_draft=n_draft, exact=exact, lookup=lookup)
     except BaseException:
-        if draft_rt is not None:
-            draft_rt.close()
-        target_rt.close()
+        for handle in reversed(opened):
+            handle.close()
         raise
+
+
+# settings that describe the target's placement, which the draft does not inherit
+_TARGET_ONLY = ("rpc", "tensor_split")
+
+
+def _rpc_host(settings: ModelSettings, opened: list) -> Optional[RemoteRuntime]:
+    if not settings.rpc:
+        return None
+    host = RemoteRuntime(settings)
+    opened.append(host)
+    return host
 
 
 def _is_ref(model: Any) -> bool:

@@ -45,3 +45,13 @@ class DecodeError(SpecLlamaError):
 
 class BusyError(SpecLlamaError):
     """A second generation was started while one is still running on the same object."""
+
+
+class RpcError(SpecLlamaError):
+    """An RPC worker cannot be reached, was lost, or this llama.cpp build has no RPC backend."""
+
+    endpoints: tuple[str, ...] = ()
+
+    def __init__(self, message: str, endpoints: tuple[str, ...] = ()):
+        super().__init__(message)
+        self.endpoints = endpoints  # the workers the error is about, where known

@@ -18,7 +18,7 @@ import psutil
 
 from . import gguf_check
 from .errors import SpecLlamaError
-from .runtime import ModelSettings, devices
+from .runtime import Device, ModelSettings, devices, offload_devices
 
 KV_BYTES_PER_ELEMENT = {"f32": 4.0, "f16": 2.0, "bf16": 2.0, "q8_0": 34 / 32, "q5_1": 24 / 32,
                         "q5_0": 22 / 32, "q4_1": 20 / 32, "q4_0": 18 / 32}
@@ -39,6 +39,7 @@ class ModelPlan:
     compute: int
     n_layer: int = 0
     n_offloaded: int = 0  # layers on the GPU; their share of the KV cache and the compute buffers go too
+    remote: bool = False  # offloaded to RPC workers, so only `ram` is this machine's
 
     @property
     def kv_gpu(self) -> int:
@@ -58,6 +59,29 @@ class ModelPlan:
 
 
 @dataclass
+class DeviceShare:
+    """What one device a model offloads to must hold, against the free memory it reports."""
+
+    device: str
+    need: int
+    free: int
+
+    @property
+    def short(self) -> int:
+        return max(0, self.need - self.free)
+
+
+def device_shares(model: ModelPlan, offload: list[Device], split: Optional[tuple[float, ...]]) -> list[DeviceShare]:
+    """The model's offloaded bytes spread over its devices as llama.cpp spreads layers: by
+    tensor_split where given, else by each device's free memory."""
+    weights = list(split or [d.free for d in offload])[:len(offload)]
+    weights += [0.0] * (len(offload) - len(weights))
+    total = sum(weights) or 1.0
+    return [DeviceShare(f"{d.name} ({d.description})", int(model.gpu * w / total), d.free)
+            for d, w in zip(offload, weights)]
+
+
+@dataclass
 class MemoryPlan:
     target: ModelPlan
     draft: Optional[ModelPlan]
@@ -66,6 +90,7 @@ class MemoryPlan:
     # free memory of the discrete GPUs as llama.cpp reports it; None when nothing is offloaded
     available_gpu: Optional[int] = None
     notes: list[str] = field(default_factory=list)
+    shares: list[DeviceShare] = field(default_factory=list)  # per device, for models on RPC workers
 
     @property
     def models(self) -> list[ModelPlan]:
@@ -74,11 +99,11 @@ class MemoryPlan:
     @property
     def needed_ram(self) -> int:
         # on Apple silicon the GPU's share is the same pool of memory, so it is counted here, once
-        return sum(m.total if self.unified_memory else m.ram for m in self.models)
+        return sum(m.total if self.unified_memory and not m.remote else m.ram for m in self.models)
 
     @property
     def needed_gpu(self) -> int:
-        return 0 if self.unified_memory else sum(m.gpu for m in self.models)
+        return 0 if self.unified_memory else sum(m.gpu for m in self.models if not m.remote)
 
     @property
     def gpu_short(self) -> int:
@@ -88,15 +113,18 @@ class MemoryPlan:
 
     @property
     def fits(self) -> bool:
-        return self.needed_ram <= self.available_ram and self.gpu_short == 0
+        return self.needed_ram <= self.available_ram and self.gpu_short == 0 and not any(s.short for s in self.shares)
 
     def describe(self) -> str:
         lines = []
         for role, m in (("target", self.target), ("draft", self.draft)):
             if m is not None:
+                where = " to RPC workers" if m.remote else ""
                 lines.append(f"{role} {m.name}: weights {m.weights_ram / GiB:.2f} GiB in RAM + "
-                             f"{m.weights_gpu / GiB:.2f} GiB offloaded ({m.n_offloaded}/{m.n_layer} layers), "
+                             f"{m.weights_gpu / GiB:.2f} GiB offloaded{where} ({m.n_offloaded}/{m.n_layer} layers), "
                              f"KV cache {m.kv / GiB:.2f} GiB, compute {m.compute / GiB:.2f} GiB")
+        for share in self.shares:
+            lines.append(f"{share.device}: needs {share.need / GiB:.2f} GiB, reports {share.free / GiB:.2f} GiB free")
         both = sum(m.total for m in self.models)
         share = f" (draft {self.draft.total / max(1, both):.0%} of it)" if self.draft else ""
         lines.append(f"needed {self.needed_ram / GiB:.2f} GiB of RAM{share}, available "
@@ -155,7 +183,9 @@ def gpu_memory() -> tuple[Optional[int], Optional[int], list[str]]:
 
 def make_plan(target: Path, draft: Optional[Path], target_settings: ModelSettings,
               draft_settings: Optional[ModelSettings] = None, *, gpu_offload: bool = False,
-              available: Optional[int] = None, available_gpu: Optional[int] = None) -> MemoryPlan:
+              available: Optional[int] = None, available_gpu: Optional[int] = None,
+              target_devices: Optional[list[Device]] = None,
+              draft_devices: Optional[list[Device]] = None) -> MemoryPlan:
     """The memory plan for a target and optional draft, each with its own settings
     (the draft's default to the target's).
 
@@ -163,11 +193,20 @@ def make_plan(target: Path, draft: Optional[Path], target_settings: ModelSetting
         gpu_offload: whether llama.cpp has a GPU backend, so n_gpu_layers takes effect.
         available, available_gpu: free RAM and discrete-GPU memory to plan against; by default
             what the system and llama.cpp's GPU backends report now.
+        target_devices, draft_devices: for a model on RPC workers, the devices its host
+            reports (remote.RemoteRuntime.devices); its offloaded part is checked against
+            each device's free memory instead of this machine's.
     """
     ram, unified = available_memory()
     notes = []
-    t = model_plan(target, target_settings, gpu_offload)
-    d = model_plan(draft, draft_settings or target_settings, gpu_offload) if draft is not None else None
+    draft_settings = draft_settings or target_settings
+    t = model_plan(target, target_settings, gpu_offload or target_devices is not None)
+    d = model_plan(draft, draft_settings, gpu_offload or draft_devices is not None) if draft is not None else None
+    shares = []
+    for m, found, settings in ((t, target_devices, target_settings), (d, draft_devices, draft_settings)):
+        if m is not None and found is not None:
+            m.remote = True
+            shares += device_shares(m, offload_devices(found, settings.rpc), settings.tensor_split)
     if gpu_offload and available_gpu is None:
         discrete, shared, names = gpu_memory()
         if shared is not None:  # Metal's free working set bounds what the GPU may take of the one pool
@@ -175,7 +214,7 @@ def make_plan(target: Path, draft: Optional[Path], target_settings: ModelSetting
         available_gpu = discrete
         notes.append("GPU: " + (", ".join(names) or "none reported by llama.cpp"))
     return MemoryPlan(t, d, ram if available is None else available, unified,
-                      available_gpu if gpu_offload else None, notes)
+                      available_gpu if gpu_offload else None, notes, shares)
 
 
 def ways_out(plan: MemoryPlan, n_ctx: int) -> list[str]:
@@ -192,6 +231,10 @@ def ways_out(plan: MemoryPlan, n_ctx: int) -> list[str]:
         n_layers = _target_layers_that_fit(plan)
         out.append(f"fewer target layers on the GPU: n_gpu_layers={n_layers} (of {plan.target.n_layer}) fits; "
                    "the rest run on the CPU, slower")
+    for share in plan.shares:
+        if share.short:
+            out.append(f"another RPC worker, or a tensor_split that gives {share.device} less "
+                       f"(it is short by {share.short / GiB:.2f} GiB)")
     if plan.draft is not None:
         out.append("a smaller draft model")
         out.append(f"no draft model: draft='ngram' (prompt lookup needs no memory) saves {plan.draft.total / GiB:.2f} GiB")
@@ -200,6 +243,7 @@ def ways_out(plan: MemoryPlan, n_ctx: int) -> list[str]:
         short.append(f"{(plan.needed_ram - plan.available_ram) / GiB:.2f} GiB of RAM")
     if plan.gpu_short:
         short.append(f"{plan.gpu_short / GiB:.2f} GiB of GPU memory")
+    short += [f"{s.short / GiB:.2f} GiB on {s.device}" for s in plan.shares if s.short]
     out.append(f"(short by {' and '.join(short)})")
     return out
 

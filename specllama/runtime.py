@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import socket
 import sys
 import threading
 from collections.abc import Sequence
@@ -25,7 +26,7 @@ from gguf import GGMLQuantizationType
 from llama_cpp._ggml import libggml
 
 from . import gguf_check
-from .errors import ContextFullError, DecodeError, InvalidModelFileError, InvalidParameterError
+from .errors import ContextFullError, DecodeError, InvalidModelFileError, InvalidParameterError, RpcError
 
 # KV cache element types users may name; values are ggml_type ids (the gguf package's table).
 KV_CACHE_TYPES = {name: int(GGMLQuantizationType[name.upper()])
@@ -56,8 +57,30 @@ class ModelSettings:
     type_v: Optional[str] = None
     use_mmap: bool = True
     verbose: bool = False
+    # llama.cpp RPC workers ("host:port") that hold the offloaded layers, as llama.cpp's --rpc;
+    # a model with workers runs in a child process of its own (see remote.py)
+    rpc: tuple[str, ...] = ()
+    tensor_split: Optional[tuple[float, ...]] = None  # share of the offloaded layers per device
+    rpc_timeout: float = 600.0  # seconds one call on an RPC model may take before it counts as lost
 
     def __post_init__(self) -> None:
+        # frozen: normalise through object.__setattr__ ("a:1,b:2" and lists become tuples)
+        object.__setattr__(self, "rpc", parse_endpoints(self.rpc))
+        if self.tensor_split is not None:
+            split = self.tensor_split
+            if isinstance(split, str):
+                split = [s for s in split.split(",") if s.strip()]
+            try:
+                split = tuple(float(x) for x in split)
+            except (TypeError, ValueError):
+                split = ()
+            if not split or any(x < 0 for x in split) or sum(split) <= 0:
+                raise InvalidParameterError("tensor_split", self.tensor_split,
+                                            "shares >= 0 per device with a positive sum, e.g. (3, 1) or '3,1'")
+            object.__setattr__(self, "tensor_split", split)
+        if isinstance(self.rpc_timeout, bool) or not isinstance(self.rpc_timeout, (int, float)) \
+                or not self.rpc_timeout > 0:
+            raise InvalidParameterError("rpc_timeout", self.rpc_timeout, "a number of seconds > 0")
         for name in ("n_ctx", "n_batch"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 8:
@@ -76,6 +99,23 @@ class ModelSettings:
                 raise InvalidParameterError(name, value, f"one of {', '.join(KV_CACHE_TYPES)} or None")
 
 
+def parse_endpoints(value: Any) -> tuple[str, ...]:
+    """RPC worker endpoints as a tuple of "host:port", from a comma-separated string or a list."""
+    if value is None:
+        return ()
+    items = value.split(",") if isinstance(value, str) else value
+    if not isinstance(items, (list, tuple)):
+        raise InvalidParameterError("rpc", value, 'a list of "host:port" or a comma-separated string of them')
+    out = []
+    for item in items:
+        host, _, port = str(item).strip().rpartition(":")
+        if not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise InvalidParameterError("rpc", value, 'RPC worker endpoints "host:port" with a port in 1..65535, '
+                                        'e.g. "192.168.1.20:50052"')
+        out.append(f"{host}:{int(port)}")
+    return tuple(out)
+
+
 @dataclass(frozen=True)
 class Device:
     """A compute device llama.cpp found, with its memory as the backend reports it."""
@@ -85,6 +125,7 @@ class Device:
     kind: str  # "cpu", "gpu" (own memory), "igpu" (shares system memory), "accel" or "meta"
     free: int
     total: int
+    rpc_endpoint: Optional[str] = None  # "host:port" of the RPC worker that serves this device
 
     @property
     def discrete(self) -> bool:
@@ -112,6 +153,10 @@ _dev_memory = _bind("ggml_backend_dev_memory", None, ctypes.c_void_p,
 _reg_count = _bind("ggml_backend_reg_count", ctypes.c_size_t)
 _reg_get = _bind("ggml_backend_reg_get", ctypes.c_void_p, ctypes.c_size_t)
 _reg_name = _bind("ggml_backend_reg_name", ctypes.c_char_p, ctypes.c_void_p)
+_reg_by_name = _bind("ggml_backend_reg_by_name", ctypes.c_void_p, ctypes.c_char_p)
+_reg_proc_address = _bind("ggml_backend_reg_get_proc_address", ctypes.c_void_p, ctypes.c_void_p, ctypes.c_char_p)
+_register = _bind("ggml_backend_register", None, ctypes.c_void_p)
+_dev_backend_reg = _bind("ggml_backend_dev_backend_reg", ctypes.c_void_p, ctypes.c_void_p)
 
 
 def backends() -> list[str]:
@@ -135,11 +180,100 @@ def devices() -> list[Device]:
         free, total = ctypes.c_size_t(0), ctypes.c_size_t(0)
         _dev_memory(dev, ctypes.byref(free), ctypes.byref(total))
         kind = _dev_type(dev)
-        out.append(Device(_dev_name(dev).decode("utf-8", "replace"),
-                          (_dev_description(dev) or b"").decode("utf-8", "replace"),
+        description = (_dev_description(dev) or b"").decode("utf-8", "replace")
+        is_rpc = _reg_name(_dev_backend_reg(dev)) == b"RPC"  # an RPC device's description is its endpoint
+        out.append(Device(_dev_name(dev).decode("utf-8", "replace"), description,
                           _DEVICE_KINDS[kind] if 0 <= kind < len(_DEVICE_KINDS) else f"type {kind}",
-                          free.value, total.value))
+                          free.value, total.value, description if is_rpc else None))
     return out
+
+
+# --- llama.cpp's RPC backend (ggml-rpc) ------------------------------------------------------
+
+NO_RPC_BUILD = ("this llama.cpp build has no RPC backend; rebuild it with SPECLLAMA_RPC=1 bash scripts/setup.sh "
+                "(or CMAKE_ARGS=-DGGML_RPC=ON pip install --force-reinstall --no-cache-dir llama-cpp-python==0.3.36)")
+
+
+def supports_rpc() -> bool:
+    """Whether this llama.cpp build has the RPC backend (GGML_RPC=ON)."""
+    _init_backend()
+    return bool(_reg_by_name(b"RPC"))
+
+
+def _rpc_function(name: str, restype: Any, *argtypes: Any) -> Any:
+    # the RPC functions are reached through the backend registry, as llama.cpp's rpc-server does,
+    # which works whether ggml links its backends in or loads them as plugins
+    if not supports_rpc():
+        raise RpcError(NO_RPC_BUILD)
+    address = _reg_proc_address(_reg_by_name(b"RPC"), name.encode())
+    if not address:
+        raise RpcError(f"this llama.cpp build's RPC backend has no {name}")
+    return ctypes.CFUNCTYPE(restype, *argtypes)(address)
+
+
+def add_rpc_workers(endpoints: Sequence[str]) -> None:
+    """Register RPC workers' devices, as llama.cpp's --rpc does: models loaded afterwards in this
+    process put their offloaded layers on them, ahead of any local GPU.
+
+    ggml-rpc aborts the whole process when a worker cannot be reached or is lost, so only a
+    process that may die calls this: remote.py's host of one model.
+    """
+    add = _rpc_function("ggml_backend_rpc_add_server", ctypes.c_void_p, ctypes.c_char_p)
+    for endpoint in endpoints:
+        reg = add(endpoint.encode())
+        if not reg:
+            raise RpcError(f"the RPC worker at {endpoint} reports no devices")
+        _register(reg)
+
+
+def offload_devices(found: Sequence[Device], endpoints: Sequence[str]) -> list[Device]:
+    """The devices a model with RPC workers offloads to, in llama.cpp's order: the workers'
+    devices in the order named, then local GPUs (integrated ones only without a discrete one)."""
+    workers = [d for endpoint in endpoints for d in found if d.rpc_endpoint == endpoint]
+    local = [d for d in found if d.rpc_endpoint is None and d.kind == "gpu"] or \
+            [d for d in found if d.rpc_endpoint is None and d.kind == "igpu"]
+    return workers + local
+
+
+def rpc_model_devices(endpoints: Sequence[str]) -> list[int]:
+    """Device handles for a model whose layers go to the RPC workers at endpoints (added first)."""
+    found = devices()
+    missing = [e for e in endpoints if not any(d.rpc_endpoint == e for d in found)]
+    if missing:
+        raise RpcError(f"RPC worker {', '.join(missing)} is not connected in this process", tuple(missing))
+    handles = {_dev_name(_dev_get(i)).decode("utf-8", "replace"): _dev_get(i) for i in range(_dev_count())}
+    return [handles[d.name] for d in offload_devices(found, endpoints)]
+
+
+def serve_rpc(endpoint: str, cache_dir: Optional[str], n_threads: int) -> list[Device]:
+    """Start llama.cpp's RPC server on endpoint in a daemon thread, serving this machine's
+    accelerators, or its CPU when it has none (as llama.cpp's rpc-server chooses).
+
+    Returns the devices served. The server runs until the process ends; RpcError if the
+    endpoint cannot be bound.
+    """
+    start = _rpc_function("ggml_backend_rpc_start_server", None, ctypes.c_char_p, ctypes.c_char_p,
+                          ctypes.c_size_t, ctypes.c_size_t, ctypes.POINTER(ctypes.c_void_p))
+    host, _, port = endpoint.rpartition(":")
+    try:  # ggml only prints when it cannot bind; find out first, with a reason
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            probe.bind((host, int(port)))
+    except OSError as exc:
+        raise RpcError(f"cannot listen on {endpoint}: {exc.strerror or exc}; choose another --port or --host") from None
+    ptrs = [_dev_get(i) for i in range(_dev_count())]
+    served = [p for p in ptrs if _DEVICE_KINDS[_dev_type(p)] not in ("cpu", "accel")] or \
+             [p for p in ptrs if _DEVICE_KINDS[_dev_type(p)] == "cpu"][:1]
+    listed = {d.name: d for d in devices()}
+    array = (ctypes.c_void_p * len(served))(*served)
+    cache = cache_dir.encode() if cache_dir else None
+    thread = threading.Thread(target=start, args=(endpoint.encode(), cache, n_threads, len(served), array),
+                              name=f"rpc-worker {endpoint}", daemon=True)
+    thread.start()
+    thread.join(0.5)  # it returns at once only when it could not start
+    if not thread.is_alive():
+        raise RpcError(f"llama.cpp's RPC server did not start on {endpoint} (its reason is printed above)")
+    return [listed[_dev_name(p).decode("utf-8", "replace")] for p in served]
 
 
 @dataclass(frozen=True)
@@ -197,6 +331,18 @@ class _Model:
         # -1 is llama.cpp's own "all layers"; a large count instead puts every layer on the CPU
         # once any device is present (load_tensors computes a negative first GPU layer)
         params.n_gpu_layers = settings.n_gpu_layers
+        if settings.rpc:
+            # llama.cpp's default choice of devices leaves registered RPC workers out here, so
+            # they are named: the workers first, as llama.cpp's --rpc orders them
+            chosen = rpc_model_devices(settings.rpc)
+            self._devices = (ctypes.c_void_p * (len(chosen) + 1))(*chosen, None)
+            params.devices = ctypes.cast(self._devices, ctypes.c_void_p)
+        if settings.tensor_split is not None:
+            n_max = llama_cpp.llama_max_devices()
+            if len(settings.tensor_split) > n_max:
+                raise InvalidParameterError("tensor_split", settings.tensor_split, f"at most {n_max} shares")
+            self._split = (ctypes.c_float * n_max)(*settings.tensor_split)  # lives as long as the model
+            params.tensor_split = self._split
         params.load_mode = llama_cpp.LLAMA_LOAD_MODE_MMAP if settings.use_mmap else llama_cpp.LLAMA_LOAD_MODE_NONE
         self.ptr = llama_cpp.llama_model_load_from_file(str(path).encode("utf-8"), params)
         if not self.ptr:
@@ -214,7 +360,7 @@ class _Context:
         params.n_batch = settings.n_batch
         params.n_ubatch = settings.n_batch
         # llama.cpp's own default is 4 threads whatever the machine; 4 on 2 cores halves speed
-        n_threads = settings.n_threads or _n_cpus()
+        n_threads = settings.n_threads or cpu_count()
         params.n_threads = n_threads
         params.n_threads_batch = settings.n_threads_batch or n_threads
         params.flash_attn_type = _FLASH_ATTN[settings.flash_attn]
@@ -481,7 +627,8 @@ class Runtime:
         self.decode(tokens[len(self.cached):], n_logits=1)
 
 
-def _n_cpus() -> int:
+def cpu_count() -> int:
+    """The CPUs this process may use."""
     try:
         return len(os.sched_getaffinity(0))  # the CPUs this process may use (containers, taskset)
     except AttributeError:  # macOS
@@ -502,8 +649,9 @@ def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
 
 
 def supports_gpu_offload() -> bool:
-    """Whether this llama.cpp build has a GPU backend (Metal, CUDA, ...)."""
-    return bool(llama_cpp.llama_supports_gpu_offload())
+    """Whether llama.cpp has a local GPU to offload to (Metal, CUDA, ...). Not
+    llama_supports_gpu_offload(), which is also true for any build with the RPC backend."""
+    return any(d.kind in ("gpu", "igpu") and d.rpc_endpoint is None for d in devices())
 
 
 def open_runtime(model: Any, settings: ModelSettings) -> Runtime:

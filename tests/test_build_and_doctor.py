@@ -20,7 +20,8 @@ def stand_in(folder: Path, name: str, body: str) -> None:
     path.chmod(0o755)
 
 
-def print_build(tmp_path: Path, *, uname: tuple[str, str], gpu: bool, nvcc: bool, cmake_args: str = "") -> tuple[int, str]:
+def print_build(tmp_path: Path, *, uname: tuple[str, str], gpu: bool, nvcc: bool, cmake_args: str = "",
+                rpc: str = "") -> tuple[int, str]:
     """Run setup.sh --print-build with stand-in uname / nvidia-smi / nvcc first on PATH."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
@@ -31,14 +32,14 @@ def print_build(tmp_path: Path, *, uname: tuple[str, str], gpu: bool, nvcc: bool
         stand_in(bin_dir, "nvcc", 'echo "Cuda compilation tools, release 12.4, V12.4.131"')
     # a PATH with the stand-ins and the basic tools, but not the real nvidia-smi/nvcc if any
     path = f"{bin_dir}:/usr/bin:/bin"
-    env = {**os.environ, "PATH": path, "CMAKE_ARGS": cmake_args}
+    env = {**os.environ, "PATH": path, "CMAKE_ARGS": cmake_args, "SPECLLAMA_RPC": rpc}
     done = subprocess.run(["bash", str(SETUP), "--print-build"], capture_output=True, text=True, env=env, timeout=30)
     return done.returncode, done.stdout + done.stderr
 
 
 def test_cuda_with_the_toolkit(tmp_path):
     rc, out = print_build(tmp_path, uname=("Linux", "x86_64"), gpu=True, nvcc=True)
-    assert rc == 0 and "build: cuda" in out and "CMAKE_ARGS: -DGGML_CUDA=on" in out
+    assert rc == 0 and "build: cuda+rpc" in out and "CMAKE_ARGS: -DGGML_CUDA=on -DGGML_RPC=ON" in out
     assert "RTX 4090" in out and "release 12.4" in out
 
 
@@ -51,13 +52,18 @@ def test_an_nvidia_gpu_without_the_toolkit_says_what_to_install(tmp_path):
 
 def test_apple_silicon_gets_metal(tmp_path):
     rc, out = print_build(tmp_path, uname=("Darwin", "arm64"), gpu=False, nvcc=False)
-    assert rc == 0 and "build: metal" in out and "-DGGML_METAL=on" in out
+    assert rc == 0 and "build: metal+rpc" in out and "CMAKE_ARGS: -DGGML_METAL=on -DGGML_RPC=ON" in out
 
 
 def test_plain_cpu_gets_native_without_amx(tmp_path):
     rc, out = print_build(tmp_path, uname=("Linux", "x86_64"), gpu=False, nvcc=False)
-    assert rc == 0 and "build: cpu" in out
+    assert rc == 0 and "build: cpu+rpc" in out and "CMAKE_ARGS: -DGGML_RPC=ON\n" in out
     assert "CFLAGS: -mno-amx-tile -mno-amx-int8 -mno-amx-bf16" in out
+
+
+def test_rpc_can_be_left_out(tmp_path):
+    rc, out = print_build(tmp_path, uname=("Linux", "x86_64"), gpu=False, nvcc=False, rpc="0")
+    assert rc == 0 and "build: cpu\n" in out and "RPC" not in out
 
 
 def test_the_users_cmake_args_win(tmp_path):
@@ -75,6 +81,7 @@ def doctor(*args: str) -> dict:
 def test_doctor_reports_the_build_on_this_cpu_machine():
     report = doctor()
     assert "CPU" in report["backends"]
+    assert "RPC" in report["backends"] and report["rpc"] is True  # setup.sh builds the RPC backend in
     assert report["gpu_offload"] is False
     cpu = next(d for d in report["devices"] if d["kind"] == "cpu")
     assert cpu["total"] > 2**30

@@ -1,0 +1,359 @@
+"""A model whose layers live on llama.cpp RPC workers, hosted in a child process of its own.
+
+ggml-rpc ends the process it runs in when a worker cannot be reached or stops answering
+(GGML_ABORT in ggml-rpc.cpp), and waits without limit on a silent network. So a model with
+RPC workers is loaded by a host process, and RemoteRuntime drives it with Runtime's
+interface: a lost worker ends the host, not the caller, and becomes an RpcError that names
+the worker. Logit rows come back through a memory-mapped file both processes share, so a
+verify batch costs one copy of its rows, not a pickle.
+
+The host is a Python process running host_main(FD); it runs Runtime's own code, so this
+module calls no llama_cpp function itself.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from multiprocessing.connection import Connection, Pipe
+from pathlib import Path
+from typing import Any, Optional, Union
+
+import numpy as np
+
+from .errors import RpcError
+from .runtime import Device, ModelSettings, Runtime
+
+CONNECT_TIMEOUT = 3.0  # seconds a worker has to accept a TCP connection before it counts as unreachable
+HANDSHAKE_TIMEOUT = 30.0  # seconds for the workers to answer llama.cpp's hello and report their devices
+_POLL_SECONDS = 0.1
+_ROWS_MIN = 34  # logit rows the shared file holds at least: a verify batch of the longest draft
+
+
+def unreachable(endpoint: str, timeout: float = CONNECT_TIMEOUT) -> Optional[str]:
+    """Why a TCP connection to endpoint fails, or None when it is accepted."""
+    host, _, port = endpoint.rpartition(":")
+    try:
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout):
+            return None
+    except socket.timeout:
+        return f"no answer within {timeout:g} s"
+    except OSError as exc:
+        return (exc.strerror or str(exc)).lower()
+
+
+def check_reachable(endpoints: Sequence[str]) -> None:
+    """RpcError naming each worker that does not accept a connection; ggml-rpc would abort on it,
+    or wait minutes on a host that does not answer."""
+    down = {endpoint: why for endpoint in endpoints if (why := unreachable(endpoint))}
+    if down:
+        listed = "; ".join(f"{endpoint} ({why})" for endpoint, why in down.items())
+        raise RpcError(f"cannot reach the RPC worker{'s' if len(down) > 1 else ''} {listed}. Start one on each "
+                       "machine with `specllama worker --host ADDRESS --port PORT` (or llama.cpp's rpc-server "
+                       "of the same version), and check that the port is open", tuple(down))
+
+
+class RemoteRuntime:
+    """Runtime's interface for a model loaded in a host process, its layers on RPC workers.
+
+    Build with RemoteRuntime(settings), which checks the workers and connects the host to them
+    (`devices` then lists what they report, for the memory plan), then load(path).
+    """
+
+    sync = Runtime.sync  # the same longest-prefix reuse, over this class's decode and truncate
+
+    def __init__(self, settings: ModelSettings):
+        self.settings = settings
+        self.endpoints = settings.rpc
+        self.name = "model"
+        self.cached: list[int] = []
+        self._closed: Optional[str] = None  # why, once closed
+        self._n_rows = 0
+        self._rows: Optional[np.memmap] = None
+        self._rows_path: Optional[str] = None
+        self._pieces: dict[int, bytes] = {}
+        self._texts: Optional[list[bytes]] = None
+        self._eog: dict[int, bool] = {}
+        check_reachable(self.endpoints)
+        self._log = tempfile.TemporaryFile()  # the host's output: llama.cpp's last words if it dies
+        parent, child = Pipe()
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+        # its own session: a Ctrl-C meant for the caller reaches the caller, who then rolls back
+        entry = "import sys; from specllama.remote import host_main; host_main(int(sys.argv[1]))"
+        self._proc = subprocess.Popen([sys.executable, "-c", entry, str(child.fileno())],
+                                      pass_fds=(child.fileno(),), stdin=subprocess.DEVNULL, stdout=self._log,
+                                      stderr=self._log, start_new_session=True, env=env)
+        child.close()
+        self._conn = parent
+        try:
+            self.devices: list[Device] = self._call("connect", self.endpoints, timeout=HANDSHAKE_TIMEOUT)
+        except RpcError as exc:
+            self.close()
+            if "no answer within" in str(exc):  # reachable, yet silent: a worker serves one client at a time
+                raise RpcError(f"the RPC workers {', '.join(self.endpoints)} accept connections but did not answer "
+                               f"llama.cpp's handshake within {HANDSHAKE_TIMEOUT:g} s. A worker serves one client "
+                               "at a time: is another process using one of them? Stop it, or start another worker",
+                               self.endpoints) from None
+            raise
+        except BaseException:
+            self.close()
+            raise
+
+    def load(self, path: Union[str, os.PathLike]) -> "RemoteRuntime":
+        """Load the model in the host; its offloaded layers go to the workers."""
+        self.name = Path(path).name
+        try:
+            facts = self._call("load", str(path), self.settings)
+        except BaseException:
+            self.close()
+            raise
+        for key, value in facts.items():
+            setattr(self, key, value)
+        return self
+
+    # --- the host protocol ------------------------------------------------------------------
+
+    def _call(self, op: str, *args: Any, timeout: Optional[float] = None) -> Any:
+        if self._closed is not None:
+            raise RpcError(self._closed, self.endpoints)
+        try:
+            self._conn.send((op, *args))
+        except OSError:
+            raise self._lost() from None
+        try:
+            reply = self._reply(timeout or self.settings.rpc_timeout)
+        except RpcError:
+            raise
+        except BaseException:
+            # interrupted while the host works: let it finish, so the next call is answered in turn
+            try:
+                self._reply(self.settings.rpc_timeout)
+            except BaseException:
+                self._shut(kill=True, reason=f"{self.name} was closed: interrupted while its host was busy")
+            raise
+        if reply[0] == "error":
+            raise _rebuild(*reply[1:])
+        return reply[1]
+
+    def _reply(self, timeout: float) -> tuple:
+        deadline = time.monotonic() + timeout
+        while not self._conn.poll(_POLL_SECONDS):
+            if self._proc.poll() is not None:
+                break  # its end of the pipe is closed; recv says so
+            if time.monotonic() > deadline:
+                raise self._lost(f"no answer within {timeout:g} s (rpc_timeout)")
+        try:
+            return self._conn.recv()
+        except (EOFError, OSError):
+            raise self._lost() from None
+
+    def _lost(self, reason: Optional[str] = None) -> RpcError:
+        self._shut(kill=True)
+        status = self._proc.returncode
+        down = {endpoint: why for endpoint in self.endpoints if (why := unreachable(endpoint, 1.0))}
+        if down:
+            message = (f"lost the RPC worker{'s' if len(down) > 1 else ''} "
+                       + ", ".join(f"{endpoint} ({why})" for endpoint, why in down.items())
+                       + f" holding {self.name}'s layers")
+        else:
+            message = (f"the process hosting {self.name} (workers {', '.join(self.endpoints)}) "
+                       f"ended with status {status}")
+        if reason:
+            message += f": {reason}"
+        said = self._last_words()
+        if said:
+            message += f"; llama.cpp said: {said}"
+        message += f". {self.name} is closed: start the worker again and load() again"
+        self._closed = message
+        return RpcError(message, tuple(down) or self.endpoints)
+
+    def _last_words(self) -> str:
+        try:
+            self._log.seek(0, os.SEEK_END)
+            self._log.seek(max(0, self._log.tell() - 4096))
+            lines = [ln.strip() for ln in self._log.read().decode("utf-8", "replace").splitlines() if ln.strip()]
+        except (OSError, ValueError):
+            return ""
+        return " | ".join(lines[-3:])[-600:]
+
+    def _shut(self, *, kill: bool, reason: str = "") -> None:
+        if self._closed is None:
+            self._closed = reason or f"{self.name} was closed"
+        if self._proc.poll() is None:
+            if not kill:
+                try:
+                    self._conn.send(("close",))
+                    self._proc.wait(timeout=10)
+                except (OSError, subprocess.TimeoutExpired):
+                    pass
+            if self._proc.poll() is None:
+                self._proc.kill()
+                self._proc.wait()
+        self._conn.close()
+        self._rows = None
+        if self._rows_path is not None:
+            Path(self._rows_path).unlink(missing_ok=True)
+            self._rows_path = None
+
+    def close(self) -> None:
+        if self._closed is None:
+            self._shut(kill=False)
+        self._log.close()
+
+    def __del__(self) -> None:
+        if getattr(self, "_proc", None) is not None and getattr(self, "_closed", "") is None:
+            self._shut(kill=True)
+
+    def __enter__(self) -> "RemoteRuntime":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # --- Runtime's interface ----------------------------------------------------------------
+
+    def decode(self, tokens: Sequence[int], *, n_logits: int = 1) -> None:
+        """As Runtime.decode; the rows land in the shared file."""
+        n_past = len(self.cached)
+        if not tokens:
+            raise ValueError("decode needs at least one token")
+        self._n_rows = 0
+        capacity = self._ensure_rows(n_logits)
+        try:
+            self._call("decode", list(tokens), n_logits, self._rows_path, capacity)
+        except BaseException:
+            if self._closed is None:  # the host may have decoded before the interruption: undo it
+                self._call("truncate", n_past)
+            raise
+        self._n_rows = n_logits
+        self.cached.extend(tokens)
+
+    def _ensure_rows(self, n_rows: int) -> int:
+        if self._rows is None or self._rows.shape[0] < n_rows:
+            capacity = max(n_rows, _ROWS_MIN)
+            shm = "/dev/shm"
+            fd, path = tempfile.mkstemp(prefix="specllama-rows-", dir=shm if os.path.isdir(shm) else None)
+            os.ftruncate(fd, capacity * self.n_vocab * 4)
+            os.close(fd)
+            if self._rows_path is not None:
+                Path(self._rows_path).unlink(missing_ok=True)
+            self._rows = np.memmap(path, np.float32, "r+", shape=(capacity, self.n_vocab))
+            self._rows_path = path
+        return self._rows.shape[0]
+
+    def logits(self, row: int) -> np.ndarray:
+        """View of logit row `row` of the last decode; valid until the next decode."""
+        if not 0 <= row < self._n_rows:
+            raise IndexError(f"logit row {row} was not requested by the last decode ({self._n_rows} rows)")
+        return self._rows[row]
+
+    def truncate(self, n_keep: int) -> None:
+        if n_keep >= len(self.cached):
+            return
+        self._call("truncate", n_keep)
+        del self.cached[n_keep:]
+        self._n_rows = 0
+
+    def tokenize(self, text: Union[str, bytes], *, add_special: bool = True, parse_special: bool = False) -> list[int]:
+        return self._call("call", "tokenize", (text,), {"add_special": add_special, "parse_special": parse_special})
+
+    def piece(self, token: int) -> bytes:
+        if token not in self._pieces:
+            self._pieces[token] = self._call("call", "piece", (token,), {})
+        return self._pieces[token]
+
+    def token_text(self, token: int) -> bytes:
+        if self._texts is None:  # one call for the whole vocabulary: the draft check reads it all
+            self._texts = self._call("token_texts")
+        return self._texts[token] if 0 <= token < len(self._texts) else b""
+
+    def is_eog(self, token: int) -> bool:
+        if token not in self._eog:
+            self._eog[token] = self._call("call", "is_eog", (token,), {})
+        return self._eog[token]
+
+    def chat_template(self) -> Optional[str]:
+        return self._chat_template
+
+    def apply_chat_template(self, messages: list[dict], *, add_generation_prompt: bool = True) -> str:
+        return self._call("call", "apply_chat_template", (messages,), {"add_generation_prompt": add_generation_prompt})
+
+    def meta(self, key: str) -> Optional[str]:
+        return self._call("call", "meta", (key,), {})
+
+
+# --- the host side ------------------------------------------------------------------------------
+
+_FACTS = ("name", "identity", "n_ctx", "n_vocab", "n_batch", "memory_use", "vocab_type", "bos", "eos",
+          "add_bos", "add_eos", "n_params", "model_bytes")
+
+
+def _rebuild(module: str, qualname: str, message: str) -> BaseException:
+    """The host's exception, as the same type where it is importable here."""
+    cls: Any = sys.modules.get(module)
+    for part in qualname.split("."):
+        cls = getattr(cls, part, None)
+    if not (isinstance(cls, type) and issubclass(cls, Exception)):
+        return RuntimeError(f"{qualname}: {message}")
+    error = cls.__new__(cls)
+    Exception.__init__(error, message)
+    return error
+
+
+def _serve(conn: Connection) -> None:
+    from .runtime import add_rpc_workers, devices
+
+    runtime: Optional[Runtime] = None
+    rows: Optional[np.memmap] = None
+    rows_path = None
+    while True:
+        try:
+            op, *args = conn.recv()
+        except (EOFError, OSError):
+            return  # the caller is gone
+        try:
+            value = None
+            if op == "connect":
+                add_rpc_workers(args[0])
+                value = devices()
+            elif op == "load":
+                runtime = Runtime.load(args[0], args[1])
+                value = {key: getattr(runtime, key) for key in _FACTS}
+                value["_chat_template"] = runtime.chat_template()
+            elif op == "decode":
+                tokens, n_logits, path, capacity = args
+                if path != rows_path:
+                    rows, rows_path = np.memmap(path, np.float32, "r+", shape=(capacity, runtime.n_vocab)), path
+                runtime.decode(tokens, n_logits=n_logits)
+                for i in range(n_logits):
+                    rows[i] = runtime.logits(i)
+            elif op == "truncate":
+                runtime.truncate(args[0])
+            elif op == "token_texts":
+                value = [runtime.token_text(i) for i in range(runtime.n_vocab)]
+            elif op == "call":
+                name, call_args, call_kwargs = args
+                value = getattr(runtime, name)(*call_args, **call_kwargs)
+            elif op == "close":
+                if runtime is not None:
+                    runtime.close()
+                conn.send(("ok", None))
+                return
+            else:
+                raise ValueError(f"unknown host operation {op!r}")
+        except Exception as exc:  # every failure goes back to the caller, typed
+            conn.send(("error", type(exc).__module__, type(exc).__qualname__, str(exc)))
+        else:
+            conn.send(("ok", value))
+
+
+def host_main(fd: int) -> None:
+    """The host process: serve one model over the connection on fd until told to close."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the caller decides when to stop
+    _serve(Connection(fd))
