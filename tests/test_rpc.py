@@ -54,6 +54,22 @@ def workers(n: int, ports: list[int] | None = None):
             proc.wait()
 
 
+def interrupted_then_again(llm, prompt):
+    """SIGINT this process a moment into a round of a running generation (while the host is
+    decoding, most likely), then generate again."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            for i, _ in enumerate(llm.stream(prompt, max_tokens=N_TOKENS, n_draft=0)):
+                if i == 2:
+                    threading.Timer(0.02, os.kill, (os.getpid(), signal.SIGINT)).start()
+                if i > 2:
+                    time.sleep(0.5)  # the signal lands during the next round's decode at the latest
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    return llm.generate(prompt, max_tokens=N_TOKENS, exact="bitwise")
+
+
 # --- pure parts -------------------------------------------------------------------------------
 
 def test_endpoints_are_parsed_and_bad_ones_named():
@@ -127,17 +143,14 @@ def test_target_on_two_workers_matches_the_local_target(model_paths, pair):
             plain = llm.generate(prompt, max_tokens=N_TOKENS, n_draft=0)
             spec = llm.generate(prompt, max_tokens=N_TOKENS, exact="bitwise")
             # a Ctrl-C while the host decodes leaves this process and the host in step
-            timer = threading.Timer(1.0, os.kill, (os.getpid(), signal.SIGINT))
-            timer.start()
-            with pytest.raises(KeyboardInterrupt):
-                llm.generate(prompt, max_tokens=400, n_draft=0)
-            timer.join()
-            after = llm.generate(prompt, max_tokens=N_TOKENS, exact="bitwise")
-    # the same kernels run on the workers' CPUs, layer by layer, so rows are bitwise the local ones
-    assert plain.tokens == local.tokens
-    assert spec.tokens == local.tokens
+            after = interrupted_then_again(llm, prompt)
+    # fidelity is to the target as it runs here, on the workers: bitwise its own plain decoding
+    assert spec.tokens == plain.tokens and after.tokens == plain.tokens
     assert spec.stats.n_drafted > 0
-    assert after.tokens == local.tokens
+    # and that is the local target's output. Not bitwise for Q4_K: weights in RPC buffers are
+    # not repacked, so another kernel runs; rows differ from the local ones by 0.45-0.67 logits
+    # (F16 rows are bitwise equal), and no greedy choice of this prompt is that close
+    assert plain.tokens == local.tokens
 
 
 @needs_rpc
