@@ -1,0 +1,46 @@
+"""Where a workload's time goes, per configuration: rounds by source, drafted and accepted
+tokens, drafting and verify seconds. For tuning the controller (issue 10); run on a quiet
+machine, since another llama.cpp process on the same cores makes every figure meaningless.
+
+    .venv/bin/python benchmarks/rounds.py edit [--target target-f16] [--repeats 2] [--tokens 128]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import specllama
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import fetch_models  # noqa: E402
+from workloads import WORKLOADS  # noqa: E402
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("workload", choices=sorted(WORKLOADS))
+    parser.add_argument("--target", default="target-f16", help="a fetch_models name (target, target-f16)")
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--tokens", type=int, default=128)
+    args = parser.parse_args()
+    target, draft = fetch_models.path_of(args.target), fetch_models.path_of("draft")
+    messages = [{"role": "user", "content": WORKLOADS[args.workload]}]
+    with specllama.load(target, draft, n_ctx=2048) as pair, specllama.load(target, "ngram", n_ctx=2048) as lookup:
+        configs = (("plain", pair, 0), ("auto", pair, "auto"), ("lookup alone", lookup, "auto"), ("k=5", pair, 5))
+        for repeat in range(args.repeats):
+            rates = {}
+            for name, llm, n_draft in configs:
+                s = llm.chat(messages, max_tokens=args.tokens, n_draft=n_draft).stats
+                rates[name] = s.decode_tokens_per_second
+                n_draft_rounds = s.n_rounds - s.n_plain_rounds - s.n_lookup_rounds
+                print(f"[{repeat}] {name:12} {s.decode_tokens_per_second:6.2f} tok/s "
+                      f"({rates[name] / rates['plain']:.2f}x)  rounds {s.n_rounds}: {s.n_plain_rounds} plain, "
+                      f"{s.n_lookup_rounds} lookup, {n_draft_rounds} draft; drafted {s.n_drafted}, accepted "
+                      f"{s.n_accepted}; drafting {s.t_draft:.2f} s, verify {s.t_verify:.2f} s", flush=True)
+
+
+if __name__ == "__main__":
+    main()
