@@ -208,7 +208,10 @@ class RemoteRuntime:
 
     def __del__(self) -> None:
         if getattr(self, "_proc", None) is not None and getattr(self, "_closed", "") is None:
-            self._shut(kill=True)
+            try:
+                self._shut(kill=True)
+            except Exception:  # at interpreter exit the modules it needs may be gone already
+                pass
 
     def __enter__(self) -> "RemoteRuntime":
         return self
