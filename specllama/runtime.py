@@ -328,9 +328,7 @@ def _init_backend() -> None:
 class _Model:
     def __init__(self, path: Path, settings: ModelSettings, stack: ExitStack):
         params = llama_cpp.llama_model_default_params()
-        # -1 is llama.cpp's own "all layers"; a large count instead puts every layer on the CPU
-        # once any device is present (load_tensors computes a negative first GPU layer)
-        params.n_gpu_layers = settings.n_gpu_layers
+        params.n_gpu_layers = settings.n_gpu_layers  # -1: all layers, llama.cpp's own meaning
         if settings.rpc:
             # llama.cpp's default choice of devices leaves registered RPC workers out here, so
             # they are named: the workers first, as llama.cpp's --rpc orders them
