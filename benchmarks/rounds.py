@@ -2,7 +2,7 @@
 tokens, drafting and verify seconds. For tuning the controller (issue 10); run on a quiet
 machine, since another llama.cpp process on the same cores makes every figure meaningless.
 
-    .venv/bin/python benchmarks/rounds.py edit [--target target-f16] [--repeats 2] [--tokens 128]
+    .venv/bin/python benchmarks/rounds.py edit [--target target-f16] [--repeats 2] [--tokens 128] [--fixed 2,5]
 """
 
 from __future__ import annotations
@@ -25,11 +25,13 @@ def main() -> None:
     parser.add_argument("--target", default="target-f16", help="a fetch_models name (target, target-f16)")
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--tokens", type=int, default=128)
+    parser.add_argument("--fixed", default="5", help="fixed draft lengths to compare, comma-separated")
     args = parser.parse_args()
     target, draft = fetch_models.path_of(args.target), fetch_models.path_of("draft")
     messages = [{"role": "user", "content": WORKLOADS[args.workload]}]
     with specllama.load(target, draft, n_ctx=2048) as pair, specllama.load(target, "ngram", n_ctx=2048) as lookup:
-        configs = (("plain", pair, 0), ("auto", pair, "auto"), ("lookup alone", lookup, "auto"), ("k=5", pair, 5))
+        configs = [("plain", pair, 0), ("auto", pair, "auto"), ("lookup alone", lookup, "auto")]
+        configs += [(f"k={k}", pair, int(k)) for k in args.fixed.split(",")]
         for repeat in range(args.repeats):
             rates = {}
             for name, llm, n_draft in configs:

@@ -8,14 +8,24 @@ token and v(n) the target's cost to decode n tokens at once:
     E[tokens | k] = 1 + sum_{j=1..k} P_j        T(k) = k * c_d + v(k + 1)
 
 Each round the Controller compares plain decoding (1 / v(1)), the draft model and prompt
-lookup (free to draft, so T = v(k + 1)) by their best expected rate. While the draft model
-drafts, it stops as soon as one more token is not expected to raise E/T: the chance that a
-token is accepted is predicted from the draft's own probability of it (a per-generation
-calibration of that confidence against what the target accepted), so the draft runs long on
-code it is sure of and stops at the first uncertain token of prose.
+lookup (free to draft, so T = v(k + 1)) by their best expected rate R. While the draft model
+drafts x_1..x_i, it goes on while m more drafts are expected to bring more tokens than R would
+in the time they take:
+
+    P_i * gain(m) > R * (m * c_d + v(i + 1 + m) - v(i + 1))
+
+P_i, the chance x_1..x_i are all accepted, multiplies the acceptance predicted for each token
+from the draft's own probability of it (a calibration of that confidence against what the
+target accepted, kept per model pair), and gain(m) counts the tokens m more drafts would add
+at the text's mean acceptance. So the draft runs long on code it is sure of and stops at the
+first uncertain token of prose. The yardstick is R, not the round's own E/T (renewal-reward:
+the long-run rate is what a round's time could otherwise buy): after a run of sure tokens a
+round's own E/T stands above R, and on our CPU it stopped code drafts at 3-4 tokens where 5
+paid more. A drafted token is dropped when its chance to add a token is not worth its row in
+the verify pass: P_i < R * (v(i + 1) - v(i)).
 
 Costs are learned online (OnlineCosts): every round times its verify pass and every draft
-step, and robust running medians correct the calibration they start from, so a noisy or
+step, and robust running estimates correct the calibration they start from, so a noisy or
 stale calibration cannot keep speculation on where it loses.
 """
 
@@ -49,48 +59,84 @@ class Costs:
 class OnlineCosts:
     """Running estimates of v(n) and the draft's cost per token, starting from a calibration.
 
-    v(n) is the calibrated curve scaled by the median ratio of what rounds measured to what
-    the curve predicted: for n itself once it has a few observations, else over all sizes
-    (the machine's current load moves the whole curve). The draft cost is the median of the
-    last measured steps. frozen=True keeps the calibration (seeded sampling: the same seed
-    must give the same text, so no timing may steer the rounds).
+    The calibrated curve (made non-decreasing) gives v(n)'s shape; what rounds measure scales
+    it. Sizes 2 and up share one robust straight line through the ratios measured/calibrated
+    (Theil-Sen, over the last rounds): one pass here scatters 15% from the next, so a per-size
+    median makes neighbouring sizes look 30 ms apart and cuts drafts short, while a line
+    through every size keeps the increments, which decide how far to draft, smooth. v(1), the
+    figure every choice is weighed against, is measured by the occasional plain round, relative
+    to the line's level at the time: the machine's load moves the whole curve, so v(1) follows
+    it between plain rounds instead of going stale. The draft cost is the median of the last
+    measured steps. frozen=True keeps the
+    calibration (seeded sampling: the same seed must give the same text, so no timing may
+    steer the rounds).
     """
 
     def __init__(self, seed: Costs, *, window: int = 9, frozen: bool = False, refresh: int = 64):
         self.seed, self.frozen, self.refresh = seed, frozen, refresh
-        self._by_n: dict[int, deque] = {}
-        self._last_seen: dict[int, int] = {}  # n -> n_observed when v(n) was last measured
-        self._all: deque = deque(maxlen=4 * window)
+        # the calibrated curve's shape, non-decreasing: a pass over more tokens never costs less
+        self._shape = Costs(tuple(np.maximum.accumulate(seed.verify).tolist()), seed.draft_token)
+        self._one: deque = deque(maxlen=window)  # [measured / calibrated v(1), the line's level then]
+        self._batches: deque = deque(maxlen=4 * window)  # (n, measured / calibrated v(n)), n >= 2
         self._draft: deque = deque(maxlen=window)
-        self._window = window
+        self._last_one = 0  # n_observed when v(1) was last measured
+        self._line: Optional[tuple[float, float, int, int]] = None  # cached fit
         self.n_observed = 0
 
     def observe_verify(self, n: int, seconds: float) -> None:
         if self.frozen or seconds <= 0:
             return
-        ratio = seconds / self.seed.v(n)
-        self._by_n.setdefault(n, deque(maxlen=self._window)).append(ratio)
-        self._all.append(ratio)
+        ratio = seconds / self._shape.v(n)
         self.n_observed += 1
-        self._last_seen[n] = self.n_observed
+        if n == 1:
+            self._one.append([ratio, self._level() if len(self._batches) >= 3 else None])
+            self._last_one = self.n_observed
+        else:
+            self._batches.append((n, ratio))
+            self._line = None
+            if len(self._batches) >= 3:
+                for measured in self._one:  # plain rounds before any line: the first level after
+                    if measured[1] is None:
+                        measured[1] = self._level()
 
     def wants(self, n: int) -> bool:
-        """Whether v(n) has too few recent measurements to trust (never when frozen)."""
-        if self.frozen:
+        """Whether v(1) has too few recent measurements to trust (never when frozen)."""
+        if self.frozen or n != 1:
             return False
-        return len(self._by_n.get(n, ())) < 3 or self.n_observed - self._last_seen[n] > self.refresh
+        return len(self._one) < 3 or self.n_observed - self._last_one > self.refresh
 
     def observe_draft_step(self, seconds: float) -> None:
         if not self.frozen and seconds > 0:
             self._draft.append(seconds)
 
-    def v(self, n: int, overall: Optional[float] = None) -> float:
-        own = self._by_n.get(n)
-        if own is not None and len(own) >= 3:
-            return self.seed.v(n) * statistics.median(own)
-        if overall is None:
-            overall = statistics.median(self._all) if self._all else 1.0
-        return self.seed.v(n) * overall
+    def _fit(self) -> tuple[float, float, int, int]:
+        """(intercept, slope, n_lo, n_hi) of the ratio line over measured sizes n_lo..n_hi."""
+        if self._line is None:
+            if not self._batches:
+                overall = statistics.median(r for r, _ in self._one) if self._one else 1.0
+                self._line = (overall, 0.0, 2, 2)
+            else:
+                n, r = np.array(self._batches, dtype=float).T
+                i, j = np.triu_indices(len(n), 1)
+                distinct = n[i] != n[j]
+                slope = float(np.median((r[j] - r[i])[distinct] / (n[j] - n[i])[distinct])) if distinct.any() else 0.0
+                self._line = (float(np.median(r - slope * n)), slope, int(n.min()), int(n.max()))
+        return self._line
+
+    def _ratio(self, n: int) -> float:
+        if n == 1 and len(self._one) >= 3:
+            if all(level for _, level in self._one):
+                return statistics.median(r / level for r, level in self._one) * self._level()
+            return statistics.median(r for r, _ in self._one)
+        intercept, slope, n_lo, n_hi = self._fit()
+        return intercept + slope * min(max(n, n_lo), n_hi)  # no extrapolating the trend
+
+    def _level(self) -> float:
+        intercept, slope, n_lo, n_hi = self._fit()
+        return intercept + slope * min(max(2, n_lo), n_hi)
+
+    def v(self, n: int) -> float:
+        return float(self.table(n)[n])
 
     @property
     def draft_token(self) -> float:
@@ -98,11 +144,17 @@ class OnlineCosts:
 
     def table(self, n_max: int) -> np.ndarray:
         """[0, v(1), ..., v(n_max)]"""
-        overall = statistics.median(self._all) if self._all else 1.0
-        return np.array([0.0] + [self.v(n, overall) for n in range(1, n_max + 1)])
+        ns = np.arange(1, n_max + 1)
+        intercept, slope, n_lo, n_hi = self._fit()
+        shape = np.array([self._shape.v(int(n)) for n in ns])
+        v = shape * (intercept + slope * np.clip(ns, n_lo, n_hi))
+        v[0] = shape[0] * self._ratio(1)
+        v[1:] = np.maximum.accumulate(v[1:])  # more tokens never cost less
+        return np.concatenate(([0.0], v))
 
     def as_dict(self) -> dict:
-        return {"v_ms": {n: round(self.v(n) * 1000, 2) for n in (1, 2, 3, 4, 6, 8, 12, 16)},
+        v = self.table(16)
+        return {"v_ms": {n: round(float(v[n]) * 1000, 2) for n in (1, 2, 3, 4, 6, 8, 12, 16)},
                 "draft_token_ms": round(self.draft_token * 1000, 2), "n_observed": self.n_observed,
                 "frozen": self.frozen}
 
@@ -120,31 +172,52 @@ _BIN_PRIOR = np.array([0.15, 0.4, 0.6, 0.75, 0.85, 0.92, 0.96, 0.99])  # ~ a cal
 
 
 class Acceptance:
-    """P(target accepts a drafted token | the draft's confidence in it), learned as it goes.
+    """P(target accepts a drafted token | the draft's confidence in it), learned as it goes,
+    and the mean acceptance of this text's drafts.
 
-    Counts per confidence bin decay each round, so the estimate follows the text; a bin with
-    little data leans on a prior near its confidence.
+    How confidence maps to acceptance is a property of the draft/target pair more than of the
+    text (on our code, prose, edit and JSON runs every token drafted with confidence >= 0.9 was
+    accepted), so one Acceptance serves a model pair's generations: its bins decay slowly,
+    and new_text() keeps them. A bin with little data leans on a prior near its confidence,
+    and the predictions are kept non-decreasing in confidence (pool adjacent violators): a few
+    unlucky rejections in one bin must not rank it below a less confident one. The mean
+    follows the text: it decays faster, and new_text() shrinks it to a weak prior.
     """
 
-    def __init__(self, decay: float = 0.95, prior_weight: float = 2.0):
-        self.decay, self.w = decay, prior_weight
+    def __init__(self, decay: float = 0.98, mean_decay: float = 0.95, prior_weight: float = 2.0):
+        self.decay, self.mean_decay, self.w = decay, mean_decay, prior_weight
         self.hits = np.zeros(len(_BIN_PRIOR))
         self.seen = np.zeros(len(_BIN_PRIOR))
         self.mean_hits, self.mean_seen = 0.0, 0.0
+        self._table: Optional[np.ndarray] = None  # the monotone predictions, per bin
 
     def predict(self, confidence: float) -> float:
-        b = bisect.bisect_right(CONFIDENCE_EDGES, confidence)
-        return float((self.hits[b] + _BIN_PRIOR[b] * self.w) / (self.seen[b] + self.w))
+        if self._table is None:
+            self._table = _non_decreasing((self.hits + _BIN_PRIOR * self.w) / (self.seen + self.w),
+                                          self.seen + self.w)
+        return float(self._table[bisect.bisect_right(CONFIDENCE_EDGES, confidence)])
 
     def mean(self, prior: float = 0.6) -> float:
         """Acceptance of the tokens that were drafted lately, whatever their confidence."""
         return (self.mean_hits + prior * self.w) / (self.mean_seen + self.w)
 
+    def as_dict(self) -> dict:
+        """The predicted acceptance from each confidence edge up, with the tokens behind it."""
+        return {f">={edge}": [round(self.predict(edge), 3), round(float(seen), 1)]
+                for edge, seen in zip([0.0, *CONFIDENCE_EDGES], self.seen)}
+
+    def new_text(self) -> None:
+        """A new generation: the last text's mean acceptance stays only as a prior worth w tokens."""
+        if self.mean_seen > self.w:
+            self.mean_hits *= self.w / self.mean_seen
+            self.mean_seen = self.w
+
     def age(self) -> None:
         self.hits *= self.decay
         self.seen *= self.decay
-        self.mean_hits *= self.decay
-        self.mean_seen *= self.decay
+        self.mean_hits *= self.mean_decay
+        self.mean_seen *= self.mean_decay
+        self._table = None
 
     def observe(self, confidences: Sequence[float], n_accepted: int) -> None:
         """A round's drafts with their confidences; the target judged up to the first rejection."""
@@ -159,9 +232,22 @@ class Acceptance:
         b = bisect.bisect_right(CONFIDENCE_EDGES, confidence)
         self.seen[b] += 1
         self.hits[b] += accepted
+        self._table = None
         if proposed:
             self.mean_seen += 1
             self.mean_hits += accepted
+
+
+def _non_decreasing(y: np.ndarray, weight: np.ndarray) -> np.ndarray:
+    """The weighted least-squares non-decreasing fit to y (pool adjacent violators)."""
+    blocks: list[list[float]] = []  # [mean, weight, n_bins]
+    for y_i, w_i in zip(y.tolist(), weight.tolist()):
+        blocks.append([y_i, w_i, 1])
+        while len(blocks) > 1 and blocks[-2][0] > blocks[-1][0]:
+            m2, w2, n2 = blocks.pop()
+            m1, w1, n1 = blocks.pop()
+            blocks.append([(m1 * w1 + m2 * w2) / (w1 + w2), w1 + w2, n1 + n2])
+    return np.repeat([m for m, _, _ in blocks], [n for _, _, n in blocks])
 
 
 class FixedDraft:
@@ -198,14 +284,16 @@ class Controller:
         costs: OnlineCosts (shared across generations, so what one learned serves the next).
         limit: the most tokens a round may draft.
         has_draft, lookup: which sources exist.
+        acceptance: the draft's Acceptance, shared across generations like costs (None: new).
         clock: seconds now; the gaps between draft_more calls time the draft's steps.
     """
 
     def __init__(self, costs: OnlineCosts, limit: int, *, has_draft: bool, lookup: bool,
-                 clock: Callable[[], float] = time.perf_counter):
+                 acceptance: Optional[Acceptance] = None, clock: Callable[[], float] = time.perf_counter):
         self.costs, self.limit, self.clock = costs, limit, clock
         self.has_draft, self.lookup = has_draft, lookup
-        self.draft_acceptance = Acceptance()
+        self.draft_acceptance = acceptance if acceptance is not None else Acceptance()
+        self.draft_acceptance.new_text()
         self.lookup_hits = np.zeros(5)  # by match length 2, 3, 4+ (index = min(n, 4))
         self.lookup_seen = np.zeros(5)
         self._v = costs.table(limit + 1)
@@ -248,7 +336,7 @@ class Controller:
             gain = [0.0]
             for m in range(1, choice[1] + 1):
                 gain.append(gain[-1] + alpha ** m)  # expected extra tokens from m more drafts
-            self._round = _Round(choice[1], gain, self._v.tolist())
+            self._round = _Round(choice[1], gain, self._v.tolist(), best)
         return choice
 
     def draft_more(self, confidences: list[float]) -> str:
@@ -262,15 +350,14 @@ class Controller:
         r.t_last = now
         i, v, c_d = len(confidences), r.v, self._c_d
         p_all = r.p_all * self.draft_acceptance.predict(confidences[-1])
-        e_drop, t_drop = r.expected, i * c_d + v[i]
-        e_keep, t_keep = r.expected + p_all, i * c_d + v[i + 1]
-        if e_keep * t_drop < e_drop * t_keep:
+        # x_i's draft step is spent either way; keeping it costs its row in the verify pass
+        if p_all < r.rate * (v[i + 1] - v[i]):
             return "drop"
-        r.p_all, r.expected = p_all, e_keep
-        # would drafting m more tokens (each accepted with the mean rate) raise E/T?
-        rate = e_keep / t_keep
+        r.p_all = p_all
+        # would m more drafts (each accepted at the mean rate) yield more than the rate
+        # rounds achieve would in the time they take?
         for m in range(1, r.k_max - i + 1):
-            if (e_keep + p_all * r.gain[m]) / (t_keep + m * c_d + v[i + 1 + m] - v[i + 1]) > rate:
+            if p_all * r.gain[m] > r.rate * (m * c_d + v[i + 1 + m] - v[i + 1]):
                 return "more"
         return "stop"
 
@@ -283,8 +370,8 @@ class Controller:
         n_accepted = len(new) - 1
         self.costs.observe_verify(n_drafted + 1, t_verify)
         self.draft_acceptance.age()
-        self.lookup_hits *= self.draft_acceptance.decay
-        self.lookup_seen *= self.draft_acceptance.decay
+        self.lookup_hits *= self.draft_acceptance.mean_decay
+        self.lookup_seen *= self.draft_acceptance.mean_decay
         if source == "draft":
             self.draft_acceptance.observe(proposal.confidence, n_accepted)
             if proposal.dropped is not None and greedy and n_accepted == n_drafted:
@@ -306,7 +393,8 @@ class Controller:
 
     def as_dict(self) -> dict:
         return {"kind": "auto", "draft_model": self.has_draft, "lookup": self.lookup,
-                "draft_acceptance": round(self.draft_acceptance.mean(), 3), **self.costs.as_dict()}
+                "draft_acceptance": round(self.draft_acceptance.mean(), 3),
+                "acceptance_by_confidence": self.draft_acceptance.as_dict(), **self.costs.as_dict()}
 
 
 @dataclass
@@ -314,6 +402,6 @@ class _Round:
     k_max: int
     gain: list[float]  # gain[m]: expected accepted tokens among m more drafts, if all so far are
     v: list[float]  # v[n]: the target's cost to verify n tokens
+    rate: float  # tokens per second rounds are expected to achieve
     p_all: float = 1.0  # chance every draft so far is accepted
-    expected: float = 1.0  # expected tokens from the round so far
     t_last: Optional[float] = None

@@ -20,7 +20,7 @@ from .completions import Completion, check_supported, generate_options
 from .decode import generate_steps
 from .doctor import offload_note
 from .errors import BusyError, EmptyPromptError, InvalidParameterError, PromptTooLongError
-from .controller import Controller, FixedDraft, OnlineCosts, draft_can_pay
+from .controller import Acceptance, Controller, FixedDraft, OnlineCosts, draft_can_pay
 from .fidelity import MAX_VERIFY, DiffTable, Level, Limits, parse_level
 from .proposers import DraftModelProposer, PromptLookupProposer, Proposer
 from .plan import check as check_plan, make_plan
@@ -111,6 +111,7 @@ class SpecLlama:
         self._lock = threading.Lock()
         self._costs = None
         self._online_costs: Optional[OnlineCosts] = None
+        self._acceptance = Acceptance()  # the draft's confidence calibration, learned across calls
         self._explained: set[Level] = set()
         if draft is not None:
             check_compatible(_vocab_info(target), _vocab_info(draft))
@@ -299,15 +300,16 @@ class SpecLlama:
         if n_draft != "auto":
             return FixedDraft(min(n_draft, limit), has_draft=has_draft, lookup=self.lookup is True)
         if seeded:  # the same seed must give the same text: decide from the calibration alone
-            costs = OnlineCosts(self.costs(), frozen=True)
+            costs, acceptance = OnlineCosts(self.costs(), frozen=True), Acceptance()
         else:
             if self._online_costs is None:
                 self._online_costs = OnlineCosts(self.costs())
-            costs = self._online_costs
+            costs, acceptance = self._online_costs, self._acceptance
         lookup = self.lookup is True or (self.lookup is None and has_draft)
         limit = min(limit, MAX_AUTO_DRAFT)
         # not even an always-right draft beats plain decoding here: leave the draft model idle
-        return Controller(costs, limit, has_draft=has_draft and draft_can_pay(costs, limit), lookup=lookup)
+        return Controller(costs, limit, has_draft=has_draft and draft_can_pay(costs, limit), lookup=lookup,
+                          acceptance=acceptance)
 
     def _proposer_and_policy(self, req: _Request) -> tuple[Optional[Proposer], Any]:
         if not self.speculates or req.n_draft == 0:
