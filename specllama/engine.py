@@ -111,7 +111,9 @@ class SpecLlama:
         self._lock = threading.Lock()
         self._costs = None
         self._online_costs: Optional[OnlineCosts] = None
-        self._acceptance = Acceptance()  # the draft's confidence calibration, learned across calls
+        # the draft's confidence calibration, learned across calls; greedy and sampled drafts
+        # mean different things by confidence (top probability; q of a sampled token)
+        self._acceptance = {True: Acceptance(), False: Acceptance()}
         self._explained: set[Level] = set()
         if draft is not None:
             check_compatible(_vocab_info(target), _vocab_info(draft))
@@ -293,7 +295,7 @@ class SpecLlama:
         level = self.level if exact is None else parse_level(exact)
         return _Request(prompt, sampling, max_tokens, seed, stops, n_draft, level)
 
-    def _policy(self, n_draft: Union[int, str], level: Level, seeded: bool) -> Any:
+    def _policy(self, n_draft: Union[int, str], level: Level, seeded: bool, greedy: bool) -> Any:
         # the short-context limit; rounds at longer KV lengths get their own (Limits)
         limit = self._explain_short_limit(level) - 1 if level.limited else MAX_N_DRAFT
         has_draft = self.draft is not None
@@ -304,7 +306,7 @@ class SpecLlama:
         else:
             if self._online_costs is None:
                 self._online_costs = OnlineCosts(self.costs())
-            costs, acceptance = self._online_costs, self._acceptance
+            costs, acceptance = self._online_costs, self._acceptance[greedy]
         lookup = self.lookup is True or (self.lookup is None and has_draft)
         limit = min(limit, MAX_AUTO_DRAFT)
         # not even an always-right draft beats plain decoding here: leave the draft model idle
@@ -314,7 +316,8 @@ class SpecLlama:
     def _proposer_and_policy(self, req: _Request) -> tuple[Optional[Proposer], Any]:
         if not self.speculates or req.n_draft == 0:
             return None, FixedDraft(0)
-        policy = self._policy(req.n_draft, req.level, seeded=req.seed is not None and not req.sampling.greedy)
+        policy = self._policy(req.n_draft, req.level, seeded=req.seed is not None and not req.sampling.greedy,
+                              greedy=req.sampling.greedy)
         if not (policy.has_draft or policy.lookup):
             return None, FixedDraft(0)
         draft = DraftModelProposer(self.draft) if policy.has_draft else None

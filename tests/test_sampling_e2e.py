@@ -73,3 +73,18 @@ def test_same_seed_same_text_whatever_ran_before(pair):
     pair.generate("The lighthouse keeper", max_tokens=8, n_draft=2)
     c = pair.generate(prompt, max_tokens=10, n_draft=2, temperature=0.9, seed=10)
     assert a.tokens == b.tokens == c.tokens
+
+
+def test_only_unseeded_generations_share_what_the_controller_learned(pair):
+    """What the draft's confidence means is learned across a pair's unseeded generations, one
+    calibration for greedy drafts (top probability) and one for sampled drafts (q of the
+    token drawn); a seeded generation starts fresh and frozen, so history cannot steer it."""
+    def policy(seeded, greedy):
+        return pair._policy("auto", pair.level, seeded=seeded, greedy=greedy)
+
+    greedy, greedy_again, sampled = policy(False, True), policy(False, True), policy(False, False)
+    assert greedy.draft_acceptance is greedy_again.draft_acceptance and greedy.costs is sampled.costs
+    assert sampled.draft_acceptance is not greedy.draft_acceptance
+    seeded = policy(True, False)
+    assert seeded.draft_acceptance not in (greedy.draft_acceptance, sampled.draft_acceptance)
+    assert seeded.costs.frozen and not greedy.costs.frozen
