@@ -56,6 +56,9 @@ class Costs:
         return self.verify[-1] + slope * (n - len(self.verify))
 
 
+MIN_RATIO = 0.05  # the least measured/calibrated ratio a fit may give
+
+
 class OnlineCosts:
     """Running estimates of v(n) and the draft's cost per token, starting from a calibration.
 
@@ -129,11 +132,11 @@ class OnlineCosts:
                 return statistics.median(r / level for r, level in self._one) * self._level()
             return statistics.median(r for r, _ in self._one)
         intercept, slope, n_lo, n_hi = self._fit()
-        return intercept + slope * min(max(n, n_lo), n_hi)  # no extrapolating the trend
+        # no extrapolating the trend; and however wild the rounds, no cost at or below zero
+        return max(intercept + slope * min(max(n, n_lo), n_hi), MIN_RATIO)
 
     def _level(self) -> float:
-        intercept, slope, n_lo, n_hi = self._fit()
-        return intercept + slope * min(max(2, n_lo), n_hi)
+        return self._ratio(2)
 
     def v(self, n: int) -> float:
         return float(self.table(n)[n])
@@ -147,7 +150,7 @@ class OnlineCosts:
         ns = np.arange(1, n_max + 1)
         intercept, slope, n_lo, n_hi = self._fit()
         shape = np.array([self._shape.v(int(n)) for n in ns])
-        v = shape * (intercept + slope * np.clip(ns, n_lo, n_hi))
+        v = shape * np.maximum(intercept + slope * np.clip(ns, n_lo, n_hi), MIN_RATIO)
         v[0] = shape[0] * self._ratio(1)
         v[1:] = np.maximum.accumulate(v[1:])  # more tokens never cost less
         return np.concatenate(([0.0], v))
