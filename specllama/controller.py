@@ -70,9 +70,8 @@ class OnlineCosts:
     figure every choice is weighed against, is measured by the occasional plain round, relative
     to the line's level at the time: the machine's load moves the whole curve, so v(1) follows
     it between plain rounds instead of going stale. The draft cost is the median of the last
-    measured steps. frozen=True keeps the
-    calibration (seeded sampling: the same seed must give the same text, so no timing may
-    steer the rounds).
+    measured steps. frozen=True keeps the calibration (seeded sampling: the same seed must
+    give the same text, so no timing may steer the rounds).
     """
 
     def __init__(self, seed: Costs, *, window: int = 9, frozen: bool = False, refresh: int = 64):
@@ -97,10 +96,11 @@ class OnlineCosts:
         else:
             self._batches.append((n, ratio))
             self._line = None
-            if len(self._batches) >= 3:
-                for measured in self._one:  # plain rounds before any line: the first level after
-                    if measured[1] is None:
-                        measured[1] = self._level()
+            unplaced = [measured for measured in self._one if measured[1] is None]
+            if unplaced and len(self._batches) >= 3:
+                level = self._level()  # plain rounds before any line: the first level after
+                for measured in unplaced:
+                    measured[1] = level
 
     def wants(self, n: int) -> bool:
         """Whether v(1) has too few recent measurements to trust (never when frozen)."""
@@ -147,11 +147,7 @@ class OnlineCosts:
 
     def table(self, n_max: int) -> np.ndarray:
         """[0, v(1), ..., v(n_max)]"""
-        ns = np.arange(1, n_max + 1)
-        intercept, slope, n_lo, n_hi = self._fit()
-        shape = np.array([self._shape.v(int(n)) for n in ns])
-        v = shape * np.maximum(intercept + slope * np.clip(ns, n_lo, n_hi), MIN_RATIO)
-        v[0] = shape[0] * self._ratio(1)
+        v = np.array([self._shape.v(n) * self._ratio(n) for n in range(1, n_max + 1)])
         v[1:] = np.maximum.accumulate(v[1:])  # more tokens never cost less
         return np.concatenate(([0.0], v))
 
