@@ -5,6 +5,13 @@ PROSE = "The history of the lighthouse on the northern cape begins in 1843, when
 JSON = ('Extract the fields as JSON with keys name, age, city.\n'
         'Text: "Maria Gonzalez, 34, moved to Lisbon last spring."\nJSON: {"name": "')
 LIST = "Days of the week:\n1. Monday\n2. Tuesday\n3."
+# Prompts whose continuation must copy the prompt, so prompt lookup finds matches whatever
+# text this CPU's kernels generate (a list's continuation need not repeat any n-gram).
+EDIT = [{"role": "user", "content": "Rename the parameter `n` to `count` and return the whole function, nothing "
+         "else:\n```python\ndef total(n):\n    result = 0\n    for i in range(n):\n        result += i * i\n"
+         "    return result\n```"}]
+COPY = ("Repeat the sentence exactly.\nSentence: The quick brown fox jumps over the lazy dog near the river bank.\n"
+        "Repeat: The")
 CHAT = [{"role": "user", "content": "Write a Python function that checks whether a number is prime."}]
 RAW = "<|im_start|>user\nName three primary colors.<|im_end|>\n<|im_start|>assistant\n"
 

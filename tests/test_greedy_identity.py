@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import pytest
 
-from prompts import CHAT, CODE, JSON, LIST, PROSE, RAW
+from prompts import CHAT, CODE, COPY, EDIT, JSON, LIST, PROSE, RAW
+from specllama.proposers import PromptLookupProposer
 
 PROMPTS = {"code": CODE, "prose": PROSE, "json": JSON, "list": LIST, "chat": CHAT, "raw": RAW}
+COPYING = {"edit": EDIT, "copy": COPY}  # continuations that copy the prompt: lookup must match
 N_TOKENS = 64
 
 
@@ -17,7 +19,8 @@ def tokens_of(llm, prompt):
 @pytest.fixture(scope="module")
 def baseline(plain):
     """Target-only greedy output for every prompt (stop at EOG disabled by a long enough run)."""
-    return {name: plain.generate(tokens_of(plain, p), max_tokens=N_TOKENS) for name, p in PROMPTS.items()}
+    return {name: plain.generate(tokens_of(plain, p), max_tokens=N_TOKENS)
+            for name, p in {**PROMPTS, **COPYING}.items()}
 
 
 @pytest.mark.parametrize("n_draft", [1, 3, 8])
@@ -62,16 +65,49 @@ def ngram(model_paths):
         yield llm
 
 
-@pytest.mark.parametrize("name", ["code", "list", "chat"])
+@pytest.mark.parametrize("name", ["code", "list", "chat", "edit"])
 @pytest.mark.parametrize("config", ["auto", "ngram", "ngram+draft"])
 def test_identity_with_auto_and_lookup(pair, ngram, lookup_pair, baseline, name, config):
     llm, n_draft = {"auto": (pair, "auto"), "ngram": (ngram, "auto"), "ngram+draft": (lookup_pair, 2)}[config]
-    got = llm.generate(tokens_of(llm, PROMPTS[name]), max_tokens=N_TOKENS, n_draft=n_draft)
+    got = llm.generate(tokens_of(llm, {**PROMPTS, **COPYING}[name]), max_tokens=N_TOKENS, n_draft=n_draft)
     assert got.tokens == baseline[name].tokens
 
 
-def test_lookup_proposals_were_verified(ngram, baseline):
-    """The repetitive list gives prompt lookup matches, so identity above was really tested."""
-    got = ngram.generate(tokens_of(ngram, PROMPTS["list"]), max_tokens=N_TOKENS, n_draft=2)
-    assert got.stats.n_drafted > 5
-    assert got.tokens == baseline["list"].tokens
+def lookup_hits(prompt, output):
+    """Positions of output where prompt lookup, run on everything before them, proposes the
+    token the target itself produced there: what lookup can get right on this machine's text.
+    Position 0 comes from the prefill, never from a round, so it is not counted."""
+    lookup, seq = PromptLookupProposer(), list(prompt) + list(output)
+    hits = []
+    for i in range(len(prompt) + 1, len(seq)):
+        n, start = lookup.match(seq[:i])
+        if n and seq[start] == seq[i]:
+            hits.append(i - len(prompt))
+    return hits
+
+
+@pytest.mark.parametrize("name", sorted(COPYING))
+def test_lookup_proposals_were_verified(ngram, baseline, name):
+    """Identity above was tested through real lookup proposals, on any CPU.
+
+    The premise is checked on the target's own output, not assumed from one machine's text:
+    lookup would have proposed the right token at some positions. Every position is either
+    the start of a round (whose lookup proposal is then accepted) or inside a round that
+    accepted drafts already, so the run must accept at least one lookup token wherever a
+    verify batch of 2 is allowed at all.
+    """
+    prompt = tokens_of(ngram, COPYING[name])
+    hits = lookup_hits(prompt, baseline[name].tokens)
+    assert len(hits) >= 4, f"premise: the target's output barely copies the prompt ({hits}); choose another prompt"
+    got = ngram.generate(prompt, max_tokens=N_TOKENS, n_draft=2)
+    assert got.tokens == baseline[name].tokens
+    if max(got.stats.verify_limits.values()) < 2:
+        pytest.skip(f"this backend allows no verify batch of 2 at the {got.stats.fidelity} level "
+                    f"({got.stats.verify_limits}), so nothing can be drafted")
+    assert got.stats.n_lookup_rounds > 0 and got.stats.n_accepted > 0, (hits, got.stats.as_dict())
+
+
+def test_lookup_hits_finds_copies_and_nothing_else():
+    assert lookup_hits([1, 2, 3, 4], [1, 2, 3]) == [2]  # after "1 2" comes 3, as in the prompt
+    assert lookup_hits([1, 2, 3, 4], [1, 2, 7]) == []  # lookup would propose 3: a miss
+    assert lookup_hits([1, 2, 3, 4], [9, 8, 7]) == []

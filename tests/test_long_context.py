@@ -12,6 +12,7 @@ import hashlib
 import pytest
 
 from prompts import LONG_CHAT, LONG_CODE, LONG_STORY
+from specllama.fidelity import kv_group
 
 LONG = {"chat": LONG_CHAT, "story": LONG_STORY, "code": LONG_CODE}
 N_TOKENS = 300
@@ -69,10 +70,16 @@ def test_rounding_differs_from_plain_only_at_a_counted_near_tie(pair, long_basel
     got = pair.generate(tokens_of(pair, LONG[name]), max_tokens=N_TOKENS, n_draft=6, exact=exact)
     first = first_difference(got.tokens, long_baseline[name].tokens)
     assert first is None or first in got.stats.near_tie_positions, (first, got.stats.near_tie_positions)
-    if exact == 1.0:
-        # a bound this loose lets Q4_K batches through at every KV length: near-ties are real here
-        assert got.stats.verify_limits["KV 768-1024"] > 1, got.stats.verify_limits
-        assert got.stats.n_drafted > 0 and got.stats.near_ties > 0
+    # the limit each KV length met is the one this machine's measurement gives (no CPU's
+    # figures assumed), and where it lets batches through, they ran
+    measured = pair.batch_diffs.groups[kv_group(1024)]
+    limit = measured.largest_batch(pair.level.bound if exact == "rounding" else exact)
+    assert got.stats.verify_limits["KV 768-1024"] == limit, (got.stats.verify_limits, measured)
+    if limit > 1:
+        assert got.stats.n_drafted > 0
+    if exact == 1.0 and limit > 1 and measured.diff(limit) >= 0.25:
+        # a tolerance of half a logit or more over 300 tokens of prose: near-ties are certain
+        assert got.stats.near_ties > 0, got.stats.as_dict()
 
 
 def record_rows(monkeypatch, runtime, rows: dict):
