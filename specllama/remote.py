@@ -28,7 +28,7 @@ from typing import Any, Optional, Union
 import numpy as np
 
 from .errors import RpcError
-from .runtime import Device, ModelSettings, Runtime
+from .runtime import Device, ModelSettings, PrefillRow, Runtime, SavedState
 
 CONNECT_TIMEOUT = 3.0  # seconds a worker has to accept a TCP connection before it counts as unreachable
 HANDSHAKE_TIMEOUT = 30.0  # seconds for the workers to answer llama.cpp's hello and report their devices
@@ -67,12 +67,16 @@ class RemoteRuntime:
     """
 
     sync = Runtime.sync  # the same longest-prefix reuse, over this class's decode and truncate
+    prefill = Runtime.prefill  # and the same aligned prefill
 
     def __init__(self, settings: ModelSettings):
         self.settings = settings
         self.endpoints = settings.rpc
         self.name = "model"
         self.cached: list[int] = []
+        self.n_canonical = 0
+        self.prefill_row: Optional[PrefillRow] = None
+        self._pinned: Optional[np.ndarray] = None
         self._closed: Optional[str] = None  # why, once closed
         self._n_rows = 0
         self._rows: Optional[np.memmap] = None
@@ -221,15 +225,15 @@ class RemoteRuntime:
 
     # --- Runtime's interface ----------------------------------------------------------------
 
-    def decode(self, tokens: Sequence[int], *, n_logits: int = 1) -> None:
+    def decode(self, tokens: Sequence[int], *, n_logits: int = 1, aligned: bool = False) -> None:
         """As Runtime.decode; the rows land in the shared file."""
         n_past = len(self.cached)
         if not tokens:
             raise ValueError("decode needs at least one token")
-        self._n_rows = 0
+        self._n_rows, self._pinned = 0, None
         capacity = self._ensure_rows(n_logits)
         try:
-            self._call("decode", list(tokens), n_logits, self._rows_path, capacity)
+            self._call("decode", list(tokens), n_logits, self._rows_path, capacity, aligned)
         except BaseException:
             if self._closed is None:  # the host may have decoded before the interruption: undo it
                 self._call("truncate", n_past)
@@ -254,14 +258,33 @@ class RemoteRuntime:
         """View of logit row `row` of the last decode; valid until the next decode."""
         if not 0 <= row < self._n_rows:
             raise IndexError(f"logit row {row} was not requested by the last decode ({self._n_rows} rows)")
-        return self._rows[row]
+        return self._pinned if self._pinned is not None else self._rows[row]
 
     def truncate(self, n_keep: int) -> None:
         if n_keep >= len(self.cached):
             return
         self._call("truncate", n_keep)
         del self.cached[n_keep:]
+        self.n_canonical = min(self.n_canonical, n_keep)
+        if self.prefill_row is not None and n_keep < self.prefill_row.n_tokens:
+            self.prefill_row = None
         self._n_rows = 0
+
+    def save_state(self) -> SavedState:
+        """As Runtime.save_state: the bytes come over from the host; the bookkeeping is ours,
+        since prefills run here (Runtime.prefill over this class's decode)."""
+        saved = self._call("call", "save_state", (), {})
+        saved.n_canonical, saved.prefill_row = self.n_canonical, self.prefill_row
+        return saved
+
+    def restore_state(self, saved: SavedState) -> None:
+        self._n_rows, self._pinned = 0, None
+        try:
+            self._call("call", "restore_state", (saved,), {})
+        except BaseException:
+            self.cached, self.n_canonical, self.prefill_row = [], 0, None  # the host cleared its sequence
+            raise
+        self.cached, self.n_canonical, self.prefill_row = list(saved.tokens), saved.n_canonical, saved.prefill_row
 
     def tokenize(self, text: Union[str, bytes], *, add_special: bool = True, parse_special: bool = False) -> list[int]:
         return self._call("call", "tokenize", (text,), {"add_special": add_special, "parse_special": parse_special})
@@ -330,10 +353,10 @@ def _serve(conn: Connection) -> None:
                 value = {key: getattr(runtime, key) for key in _FACTS}
                 value["_chat_template"] = runtime.chat_template()
             elif op == "decode":
-                tokens, n_logits, path, capacity = args
+                tokens, n_logits, path, capacity, aligned = args
                 if path != rows_path:
                     rows, rows_path = np.memmap(path, np.float32, "r+", shape=(capacity, runtime.n_vocab)), path
-                runtime.decode(tokens, n_logits=n_logits)
+                runtime.decode(tokens, n_logits=n_logits, aligned=aligned)
                 for i in range(n_logits):
                     rows[i] = runtime.logits(i)
             elif op == "truncate":

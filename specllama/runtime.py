@@ -325,6 +325,32 @@ def _init_backend() -> None:
             _backend_ready = True
 
 
+@dataclass(frozen=True)
+class PrefillRow:
+    """The logits of the last prompt token of a prefill, kept so that the same prompt asked
+    again needs no decode at all; canonical: the prefill started on a canonical prefix, so
+    the row is bit for bit a fresh prefill's."""
+
+    n_tokens: int
+    logits: np.ndarray
+    canonical: bool
+
+
+@dataclass
+class SavedState:
+    """One sequence's memory copied out of a context (llama_state_seq_get_data), with the tokens
+    it holds, how many of them are canonical (see Runtime.n_canonical) and its PrefillRow."""
+
+    tokens: list[int]
+    n_canonical: int
+    data: bytearray
+    prefill_row: Optional[PrefillRow] = None
+
+    @property
+    def n_bytes(self) -> int:
+        return len(self.data)
+
+
 class _Model:
     def __init__(self, path: Path, settings: ModelSettings, stack: ExitStack):
         params = llama_cpp.llama_model_default_params()
@@ -417,6 +443,11 @@ class Runtime:
         self._n_rows = 0  # logit rows requested by the last decode
         self._pieces: dict[int, bytes] = {}
         self.cached: list[int] = []  # exactly the tokens at positions 0.. of the KV cache
+        # the first n_canonical cached tokens hold exactly what a fresh prefill of them computes:
+        # they were prefilled in chunks of n_batch aligned to position 0, on a canonical prefix
+        self.n_canonical = 0
+        self.prefill_row: Optional[PrefillRow] = None
+        self._pinned: Optional[np.ndarray] = None  # logits(0) when it comes from prefill_row
         # measured by load(); None for a borrowed model, whose loading we did not see
         self.memory_use: Optional[MemoryUse] = None
         llama_cpp.llama_memory_clear(self._mem, True)
@@ -550,9 +581,11 @@ class Runtime:
 
     # --- decoding ---------------------------------------------------------------------------
 
-    def decode(self, tokens: Sequence[int], *, n_logits: int = 1) -> None:
+    def decode(self, tokens: Sequence[int], *, n_logits: int = 1, aligned: bool = False) -> None:
         """Append tokens to the KV cache at positions len(cached)..; keep logits for the last n_logits.
 
+        Tokens go to llama.cpp in chunks of at most n_batch; aligned chunks end at multiples of
+        n_batch (position 0 being the first), as a prefill from an empty cache does.
         Raises ContextFullError (nothing appended) when they do not fit; on any failure or
         interruption the cache is rolled back to where it was.
         """
@@ -566,11 +599,12 @@ class Runtime:
             )
         if not 0 < n_logits <= min(len(tokens), self.n_batch):
             raise ValueError(f"n_logits={n_logits} must be in 1..{min(len(tokens), self.n_batch)}")
+        self._pinned = None
         try:
-            for start in range(0, len(tokens), self.n_batch):
-                chunk = tokens[start:start + self.n_batch]
+            for start, end in chunk_bounds(n_past, len(tokens), self.n_batch, aligned):
+                chunk = tokens[start:end]
                 # logits are only kept for the final chunk; all requested rows must be in it
-                n_chunk_logits = n_logits - (len(tokens) - start - len(chunk))
+                n_chunk_logits = n_logits - (len(tokens) - end)
                 self._batch.fill(chunk, n_past + start, max(0, n_chunk_logits))
                 self._check(llama_cpp.llama_decode(self._ctx, self._batch.c), n_past + start, len(chunk))
             self._n_rows = n_logits
@@ -600,6 +634,8 @@ class Runtime:
         """
         if not 0 <= row < self._n_rows:
             raise IndexError(f"logit row {row} was not requested by the last decode ({self._n_rows} rows)")
+        if self._pinned is not None:
+            return self._pinned
         index = self._n_last_chunk - self._n_rows + row
         ptr = llama_cpp.llama_get_logits_ith(self._ctx, index)
         if not ptr:
@@ -613,14 +649,61 @@ class Runtime:
         if not llama_cpp.llama_memory_seq_rm(self._mem, 0, n_keep, -1):
             raise DecodeError(f"{self.name}: this model's memory cannot be rolled back to {n_keep} tokens")
         del self.cached[n_keep:]
+        self.n_canonical = min(self.n_canonical, n_keep)
+        if self.prefill_row is not None and n_keep < self.prefill_row.n_tokens:
+            self.prefill_row = None
         self._n_rows = 0
+
+    def prefill(self, tokens: Sequence[int], n_reuse: int) -> None:
+        """Make the cache hold tokens, with logits for the last one, keeping its first n_reuse
+        (which must be tokens[:n_reuse]) and computing the rest in aligned chunks.
+
+        Started from a canonical prefix that ends on a chunk boundary, the result is canonical
+        up to the last whole chunk: a later prompt that extends tokens reuses that bit for bit.
+        n_reuse == len(tokens) takes the last row from prefill_row, which must be this prompt's.
+        """
+        tokens = list(tokens)
+        if not 0 <= n_reuse <= len(tokens) or self.cached[:n_reuse] != tokens[:n_reuse]:
+            raise ValueError(f"cannot reuse {n_reuse} cached tokens for a prompt of {len(tokens)}")
+        if n_reuse == len(tokens):
+            if self.prefill_row is None or self.prefill_row.n_tokens != len(tokens):
+                raise ValueError("the whole prompt can be reused only with the row its own prefill kept")
+            self.truncate(n_reuse)
+            self._pinned, self._n_rows = self.prefill_row.logits, 1
+            return
+        canonical_start = n_reuse <= self.n_canonical and n_reuse % self.n_batch == 0
+        self.truncate(n_reuse)
+        self.decode(tokens[n_reuse:], n_logits=1, aligned=True)
+        if canonical_start:
+            self.n_canonical = len(tokens) // self.n_batch * self.n_batch
+        self.prefill_row = PrefillRow(len(tokens), self.logits(0).copy(), canonical_start)
+
+    def save_state(self) -> SavedState:
+        """A copy of this sequence's memory, to restore_state() later (llama_state_seq_get_data)."""
+        size = llama_cpp.llama_state_seq_get_size(self._ctx, 0)
+        data = bytearray(size)
+        n = llama_cpp.llama_state_seq_get_data(self._ctx, (ctypes.c_uint8 * size).from_buffer(data), size, 0)
+        if n != size:
+            raise DecodeError(f"{self.name}: llama.cpp copied {n} of the {size} bytes of the sequence state")
+        return SavedState(list(self.cached), self.n_canonical, data, self.prefill_row)
+
+    def restore_state(self, saved: SavedState) -> None:
+        """Put a saved_state() back: the cache then holds saved.tokens exactly as they were."""
+        self._n_rows, self._pinned = 0, None
+        buf = (ctypes.c_uint8 * saved.n_bytes).from_buffer(saved.data)
+        if not llama_cpp.llama_state_seq_set_data(self._ctx, buf, saved.n_bytes, 0):
+            llama_cpp.llama_memory_seq_rm(self._mem, 0, -1, -1)
+            self.cached, self.n_canonical, self.prefill_row = [], 0, None
+            raise DecodeError(f"{self.name}: llama.cpp could not restore a saved sequence state "
+                              f"of {len(saved.tokens)} tokens")
+        self.cached, self.n_canonical, self.prefill_row = list(saved.tokens), saved.n_canonical, saved.prefill_row
 
     def sync(self, tokens: Sequence[int]) -> None:
         """Make the cache hold tokens[:-1] + tokens[-1] with logits for the last one.
 
         Reuses the longest cached prefix and decodes only the rest (always at least one token).
         """
-        n_common = _common_prefix(self.cached, tokens)
+        n_common = common_prefix(self.cached, tokens)
         self.truncate(min(n_common, len(tokens) - 1))
         self.decode(tokens[len(self.cached):], n_logits=1)
 
@@ -638,7 +721,20 @@ def _system_info() -> str:
     return info.decode("utf-8", "replace") if info else ""
 
 
-def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+def chunk_bounds(n_past: int, n_tokens: int, n_batch: int, aligned: bool) -> list[tuple[int, int]]:
+    """(start, end) of each chunk of n_tokens tokens appended at position n_past, as offsets into
+    them; aligned chunks end at multiples of n_batch counted from position 0."""
+    bounds, start = [], 0
+    while start < n_tokens:
+        room = n_batch - (n_past + start) % n_batch if aligned else n_batch
+        end = min(n_tokens, start + room)
+        bounds.append((start, end))
+        start = end
+    return bounds
+
+
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """Length of the longest common prefix of two token sequences."""
     n = min(len(a), len(b))
     if a[:n] == b[:n]:
         return n
