@@ -8,6 +8,7 @@ into each round's verify-size limit). costs: the decode times the draft controll
 from __future__ import annotations
 
 import logging
+import math
 import time
 from typing import Optional
 
@@ -101,6 +102,65 @@ def batch_diffs(target: Runtime, n_past: int, bound: float) -> BatchDiffs:
              diffs.seconds)
     _store(key, diffs.as_dict())
     return diffs
+
+
+REUSE_SEGMENT = 8  # probe tokens that stand for an earlier answer, decoded one by one on a reused cache
+REUSE_ROWS = 4  # probe tokens that stand for the new turn, prefilled on top of them
+
+
+def probe_reuse_diffs(target: Runtime, n_past: int) -> float:
+    """How far rows computed on a reused cache stray from rows on a fresh prefill, at the KV
+    length of n_past cached tokens.
+
+    A fresh prefill computes a conversation in large batches. A reused cache holds an earlier
+    answer decoded one token at a time (or in verify batches), prefills only the new turn on
+    top of it, and re-decodes the last prompt token alone when its prompt was cut short. So
+    probe text is appended on top of the cache each of these ways, and every row compared
+    with the same row of the all-in-one-batch run: the new turn's rows, the last row decoded
+    alone, and the next (generated) row. The cache is back at n_past tokens afterwards.
+    """
+    tokens = target.tokenize(PROBE_TEXT, add_special=False)[:REUSE_SEGMENT + REUSE_ROWS + 1]
+    answer, turn, generated = tokens[:REUSE_SEGMENT], tokens[REUSE_SEGMENT:-1], tokens[-1:]
+    if n_past + len(tokens) > target.n_ctx:
+        return math.nan
+    try:
+        target.truncate(n_past)  # fresh: one batch, then the generated row
+        target.decode(answer + turn, n_logits=len(turn))
+        fresh = [target.logits(i).copy() for i in range(len(turn))]
+        target.decode(generated)
+        fresh.append(target.logits(0).copy())
+        target.truncate(n_past)  # reused: the answer token by token, the new turn as a batch
+        for token in answer:
+            target.decode([token])
+        target.decode(turn, n_logits=len(turn))
+        reused = [target.logits(i).copy() for i in range(len(turn))]
+        target.decode(generated)
+        reused.append(target.logits(0).copy())
+        target.truncate(n_past)  # cut short: all but the last prompt token as a batch, then that one alone
+        target.decode(answer + turn[:-1])
+        target.decode(turn[-1:])
+        last_alone = target.logits(0).copy()
+    finally:
+        target.truncate(n_past)
+    return max(max(_max_abs_diff(a, b) for a, b in zip(fresh, reused)),
+               _max_abs_diff(last_alone, fresh[len(turn) - 1]))
+
+
+def reuse_diffs(target: Runtime, n_past: int) -> float:
+    """probe_reuse_diffs for the KV group of n_past, cached per model file, settings and build."""
+    key = f"reuse_diffs|{target.identity}|{kv_group(kv_length(n_past + 1, target.n_ctx))}"
+    cached = _load(key)
+    if cached is not None:
+        return float(cached["diff"])
+    t0 = time.perf_counter()
+    diff = probe_reuse_diffs(target, n_past)
+    if math.isnan(diff):
+        return diff
+    log.info("%s at KV length %d: rows on a reused prompt cache differ from a fresh prefill's by %.3g "
+             "(measured in %.1f s)", target.name, kv_length(n_past + 1, target.n_ctx), diff,
+             time.perf_counter() - t0)
+    _store(key, {"diff": diff, "seconds": time.perf_counter() - t0})
+    return diff
 
 
 def calibrate_fidelity(target: Runtime, n_groups: int = 4, bound: float = float("inf")) -> list[BatchDiffs]:

@@ -14,7 +14,7 @@ from typing import Any, Optional
 
 import numpy as np
 
-from .fidelity import Limits, near_tie
+from .fidelity import Limits, near_tie, top_gap
 from .proposers import EMPTY, Proposal, Proposer
 from .runtime import Runtime
 from .sampling import SamplingSettings, distribution, greedy
@@ -42,29 +42,33 @@ def generate_steps(
 ) -> Iterator[Step]:
     """Yield the accepted tokens round by round, forever or until the context is full.
 
-    policy (FixedDraft or Controller) decides each round's source and draft length within
-    the verify size the fidelity limits allow at the current KV length.
+    The caller has prefilled the target: its KV cache holds the prompt, with logits for the
+    prompt's last token. policy (FixedDraft or Controller) decides each round's source and
+    draft length within the verify size the fidelity limits allow at the current KV length.
 
     The target's KV cache always holds tokens[:-1]: the newest token is fed as the first
     row of the next verify batch.
     """
     tokens = list(prompt)
     t_start = time.perf_counter()
-    # A fresh prefill: reusing a cached prefix would batch the prompt differently from a
-    # run of the target alone, and llama.cpp's logits depend on batch shape.
-    target.truncate(0)
-    target.sync(tokens)
-    if proposer is not None:
-        proposer.prefill(tokens)
+    # 0. the first token comes from the prefill's last row; on a reused cache that row may be a
+    # near-tie, judged once the first round knows the tolerance
     n_accepted, next_token = _verify(target, EMPTY, sampling, rng)
-    stats.t_prefill = time.perf_counter() - t_start
+    first_gap = top_gap(target.logits(0)) if sampling.greedy and limits.reuse is not None else None
+    stats.t_prefill += time.perf_counter() - t_start
     tokens.append(next_token)
     yield Step([next_token], 0)
+    if proposer is not None:  # after the first token: the person waiting sees text sooner
+        t0 = time.perf_counter()
+        stats.n_draft_prompt_cached = proposer.prefill(prompt)
+        stats.t_draft_prefill = time.perf_counter() - t0
     try:
         while len(tokens) <= target.n_ctx:
             n_past = len(tokens) - 1
-            # 1. the largest verify batch the fidelity level allows here (measured on first reach)
+            # 1. the largest verify batch the fidelity level allows here (measured on first reach,
+            # with the difference rows on a reused cache carry)
             t0 = time.perf_counter()
+            limits.reach(n_past)
             n_verify_max = limits.max_batch(n_past) if proposer is not None else 1
             t1 = time.perf_counter()
             # 2. propose from the source and as far as the policy wants, within limits and context
@@ -81,7 +85,10 @@ def generate_steps(
             t3 = time.perf_counter()
             # 4. accept the agreeing prefix plus one target token
             n_accepted, next_token = _verify(target, proposal, sampling, rng)
-            if sampling.greedy and proposer is not None:
+            if first_gap is not None:
+                _judge_first_row(first_gap, limits.tolerance(n_past, 1), stats)
+                first_gap = None
+            if sampling.greedy and (proposer is not None or limits.reuse is not None):
                 _count_near_ties(target, n_accepted + 1, limits.tolerance(n_past, len(proposal.tokens) + 1),
                                  len(tokens) - len(prompt), stats)
             # 5. roll the target back to what was accepted
@@ -98,6 +105,15 @@ def generate_steps(
     finally:
         # interrupted between verify and rollback: drop the unverified rows
         target.truncate(len(tokens) - 1)
+        if first_gap is not None:  # no round ran: judge the first row if the tolerance is known
+            _judge_first_row(first_gap, limits.tolerance(len(prompt) - 1, 1, measure=False), stats)
+
+
+def _judge_first_row(gap: float, tolerance: float, stats: Stats) -> None:
+    if math.isnan(tolerance):
+        stats.near_ties = None
+    elif tolerance > 0 and gap <= tolerance:
+        stats.near_tie_positions.insert(0, 0)
 
 
 def _count_near_ties(target: Runtime, n_rows: int, tolerance: float, n_generated: int, stats: Stats) -> None:

@@ -14,14 +14,15 @@ from typing import Any, Optional, Union
 
 import numpy as np
 
-from .calibrate import batch_diffs, costs as measured_costs
+from .calibrate import batch_diffs, costs as measured_costs, reuse_diffs
 from .compat import VocabInfo, check_compatible
 from .completions import Completion, check_supported, generate_options
 from .decode import generate_steps
 from .doctor import offload_note
 from .errors import BusyError, EmptyPromptError, InvalidParameterError, PromptTooLongError
 from .controller import Acceptance, Controller, FixedDraft, OnlineCosts, draft_can_pay
-from .fidelity import MAX_VERIFY, DiffTable, Level, Limits, parse_level
+from .fidelity import MAX_VERIFY, DiffTable, Level, Limits, ReuseTable, parse_level
+from .prompt_cache import Budget, PromptCache
 from .proposers import DraftModelProposer, PromptLookupProposer, Proposer
 from .plan import check as check_plan, make_plan
 from .remote import RemoteRuntime
@@ -35,6 +36,9 @@ log = logging.getLogger("specllama")
 Prompt = Union[str, Sequence[int]]
 MAX_N_DRAFT = 32
 MAX_AUTO_DRAFT = 16  # the controller's longest draft; costs are measured up to this
+# saved prompt-cache states in RAM, target and draft together: a few conversations of a few
+# thousand tokens for models of a few billion parameters (Qwen2.5-1.5B: 28 KiB a token at f16)
+PROMPT_CACHE_MB = 1024
 
 
 @dataclass(frozen=True)
@@ -100,7 +104,8 @@ class SpecLlama:
     """
 
     def __init__(self, target: Runtime, draft: Optional[Runtime] = None, *, n_draft: Union[int, str] = "auto",
-                 exact: Union[str, float, bool] = "rounding", lookup: Optional[bool] = None):
+                 exact: Union[str, float, bool] = "rounding", lookup: Optional[bool] = None,
+                 prompt_cache_mb: float = PROMPT_CACHE_MB):
         self.target = target
         self.draft = draft
         self.n_draft = _check_n_draft(n_draft)
@@ -119,6 +124,11 @@ class SpecLlama:
             check_compatible(_vocab_info(target), _vocab_info(draft))
         # how far verify batches stray from single-token rows, per KV length, measured on demand
         self.batch_diffs = DiffTable(lambda n_past, bound: batch_diffs(target, n_past, bound), target.n_ctx)
+        # how far rows on a reused prompt cache stray from a fresh prefill's, likewise
+        self.reuse_diffs = ReuseTable(lambda n_past: reuse_diffs(target, n_past), target.n_ctx)
+        self.prompt_cache_budget = Budget(_check_cache_mb(prompt_cache_mb))
+        self.target_cache = PromptCache(target, self.prompt_cache_budget)
+        self.draft_cache = PromptCache(draft, self.prompt_cache_budget) if draft is not None else None
         if self.speculates and self.level.limited:
             self._explain_short_limit(self.level)
 
@@ -296,6 +306,13 @@ class SpecLlama:
         return _Request(prompt, sampling, max_tokens, seed, stops, n_draft, level)
 
     def _policy(self, n_draft: Union[int, str], level: Level, seeded: bool, greedy: bool) -> Any:
+        # first-use measurements decode probe text from position 0: keep the conversations first
+        short = self.batch_diffs.groups.get(0)
+        if (level.limited and (short is None or not short.covers(level.bound))) or \
+                (n_draft == "auto" and self._costs is None):
+            for cache in (self.target_cache, self.draft_cache):
+                if cache is not None:
+                    cache.stash()
         # the short-context limit; rounds at longer KV lengths get their own (Limits)
         limit = self._explain_short_limit(level) - 1 if level.limited else MAX_N_DRAFT
         has_draft = self.draft is not None
@@ -320,7 +337,8 @@ class SpecLlama:
                               greedy=req.sampling.greedy)
         if not (policy.has_draft or policy.lookup):
             return None, FixedDraft(0)
-        draft = DraftModelProposer(self.draft) if policy.has_draft else None
+        seeded = req.seed is not None and not req.sampling.greedy
+        draft = DraftModelProposer(self.draft, self.draft_cache, canonical=seeded) if policy.has_draft else None
         return Proposer(draft, PromptLookupProposer() if policy.lookup or draft is None else None), policy
 
     @contextmanager
@@ -346,10 +364,21 @@ class SpecLlama:
                           fidelity=str(req.level))
             stream.stats = stats
             limits = Limits(req.level, self.batch_diffs)
-            steps = generate_steps(self.target, proposer, req.sampling, np.random.default_rng(req.seed),
-                                   req.prompt, policy, limits, stats)
+            steps = None
             detokenizer, matcher = Detokenizer(), StopMatcher(req.stop)
             try:
+                # the prompt cache: bitwise and seeded sampling reuse only what a fresh prefill
+                # computes bit for bit; otherwise all that matches, and the rows carry the
+                # measured difference of reuse into the near-tie tolerance
+                seeded = req.seed is not None and not req.sampling.greedy
+                reuse = self.target_cache.prefill(req.prompt, canonical=req.level.bound == 0 or seeded)
+                stats.t_prefill = time.perf_counter() - t_start
+                stats.n_prompt_cached, stats.prompt_cache, stats.prompt_cache_exact = \
+                    reuse.n_reused, reuse.source, reuse.exact
+                if not reuse.exact:
+                    limits.reuse = self.reuse_diffs
+                steps = generate_steps(self.target, proposer, req.sampling, np.random.default_rng(req.seed),
+                                       req.prompt, policy, limits, stats)
                 finish = "length"  # running out of context also ends here
                 for token, from_draft in _accepted_tokens(steps):
                     if self.target.is_eog(token):
@@ -372,7 +401,8 @@ class SpecLlama:
                 finish = "cancelled"
                 raise
             finally:
-                steps.close()
+                if steps is not None:
+                    steps.close()
                 stats.n_generated = len(tokens)
                 stats.verify_limits = limits.used
                 stats.controller = policy.as_dict()
@@ -380,6 +410,14 @@ class SpecLlama:
                 stats.t_total = time.perf_counter() - t_start
                 _record_memory(stats, self.target, self.draft)
                 stream.result = Result("".join(texts), tokens, finish, stats)
+
+    def prompt_cache_info(self) -> dict:
+        """The prompt caches' counters: hits, misses, tokens reused, states saved in RAM."""
+        out = {"budget_bytes": self.prompt_cache_budget.n_bytes, "evicted": self.prompt_cache_budget.n_evicted,
+               "target": self.target_cache.as_dict()}
+        if self.draft_cache is not None:
+            out["draft"] = self.draft_cache.as_dict()
+        return out
 
 
 def _record_memory(stats: Stats, target: Runtime, draft: Optional[Runtime]) -> None:
@@ -406,6 +444,12 @@ def _accepted_tokens(steps: Iterator[Any]) -> Iterator[tuple[int, bool]]:
             yield token, i < step.n_from_draft
 
 
+def _check_cache_mb(value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < float("inf"):
+        raise InvalidParameterError("prompt_cache_mb", value, "a size in MiB >= 0 (0: keep no saved states in RAM)")
+    return int(value * 2**20)
+
+
 def _check_n_draft(n_draft: Any) -> Union[int, str]:
     if n_draft == "auto":
         return n_draft
@@ -425,7 +469,8 @@ _SETTING_NAMES = {f.name for f in fields(ModelSettings)}
 
 def load(target: Any, draft: Any = None, *, n_draft: Union[int, str] = "auto",
          exact: Union[str, float, bool] = "rounding",
-         lookup: Optional[bool] = None, check_memory: bool = True, **model_settings: Any) -> SpecLlama:
+         lookup: Optional[bool] = None, check_memory: bool = True, prompt_cache_mb: float = PROMPT_CACHE_MB,
+         **model_settings: Any) -> SpecLlama:
     """Load a target model and an optional draft of the same family.
 
     Args:
@@ -439,6 +484,9 @@ def load(target: Any, draft: Any = None, *, n_draft: Union[int, str] = "auto",
         lookup: prompt lookup (n-grams of prompt + output) as a source of drafts. None
             (default): in auto mode, weighed beside the draft model every round; True: also
             with a fixed n_draft (first on long matches) or with no draft model; False: never.
+        prompt_cache_mb: RAM for saved prompt-cache states (MiB, target and draft together):
+            conversations a call switched away from, restored when they come back. The live
+            sequence in each context is reused whatever this is; 0 keeps nothing else.
         check_memory: plan the memory both models need from their GGUF headers and raise
             MemoryPlanError (with ways out) before loading when it exceeds what is available.
         exact: the fidelity level. "bitwise": verify batches only of sizes measured to give
@@ -494,7 +542,8 @@ def load(target: Any, draft: Any = None, *, n_draft: Union[int, str] = "auto",
             memory = make_plan(Path(target), Path(draft) if draft is not None else None, target_settings,
                                draft_settings, gpu_offload=supports_gpu_offload(),
                                target_devices=target_host and target_host.devices,
-                               draft_devices=draft_host and draft_host.devices)
+                               draft_devices=draft_host and draft_host.devices,
+                               prompt_cache=_check_cache_mb(prompt_cache_mb))
             check_plan(memory, target_settings.n_ctx)
         target_rt = target_host.load(target) if target_host else open_runtime(target, target_settings)
         opened.append(target_rt)
@@ -502,7 +551,8 @@ def load(target: Any, draft: Any = None, *, n_draft: Union[int, str] = "auto",
         if draft is not None:
             draft_rt = draft_host.load(draft) if draft_host else open_runtime(draft, draft_settings)
             opened.append(draft_rt)
-        return SpecLlama(target_rt, draft_rt, n_draft=n_draft, exact=exact, lookup=lookup)
+        return SpecLlama(target_rt, draft_rt, n_draft=n_draft, exact=exact, lookup=lookup,
+                         prompt_cache_mb=prompt_cache_mb)
     except BaseException:
         for handle in reversed(opened):
             handle.close()

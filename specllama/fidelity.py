@@ -148,14 +148,43 @@ class DiffTable:
         return self.groups[group]
 
 
-class Limits:
-    """The verify-size limit of each round, and the difference its rows may carry."""
+class ReuseTable:
+    """How far rows on a reused prompt cache stray from a fresh prefill's, per KV group,
+    measured when a generation on such a cache first needs it (NaN: could not be measured)."""
 
-    def __init__(self, level: Level, table: Optional[DiffTable]):
+    def __init__(self, measure: Callable[[int], float], n_ctx: int):
+        self._measure = measure
+        self.n_ctx = n_ctx
+        self.groups: dict[int, float] = {}
+
+    def get(self, n_past: int, measure: bool = True) -> float:
+        group = kv_group(kv_length(n_past + 1, self.n_ctx))
+        if group not in self.groups:
+            if not measure:
+                return math.nan
+            self.groups[group] = self._measure(n_past)
+        return self.groups[group]
+
+
+class Limits:
+    """The verify-size limit of each round, and the difference its rows may carry.
+
+    reuse: for a generation on a prompt cache that a fresh prefill would not compute bit for
+    bit, the measured difference that reuse adds to every row.
+    """
+
+    def __init__(self, level: Level, table: Optional[DiffTable], reuse: Optional[ReuseTable] = None):
         self.level = level
         self.table = table
+        self.reuse = reuse
         self.used: dict[str, int] = {}  # KV group label -> the limit rounds met there
         self._drift = 0.0  # largest difference of any batch so far: later rows attend to its KV
+
+    def reach(self, n_past: int) -> None:
+        """Measure, on first reach of this KV length, what tolerance() needs beside the verify
+        limits: a probe decodes on the target, so it must run before a verify batch does."""
+        if self.reuse is not None:
+            self.reuse.get(n_past)
 
     def max_batch(self, n_past: int) -> int:
         """Largest verify batch for rows at positions n_past.. (1 = decode plainly)."""
@@ -170,15 +199,25 @@ class Limits:
         # rows did, which past 512 is another kernel path
         return min(limit, n_kv - n_past)
 
-    def tolerance(self, n_past: int, n_batch: int) -> float:
-        """Twice the largest difference rows of this batch may carry (0: bitwise)."""
+    def tolerance(self, n_past: int, n_batch: int, measure: bool = True) -> float:
+        """Twice the largest difference rows of this batch may carry (0: bitwise); NaN where
+        it is unknown (nothing measured, or measure=False and the reuse drift not yet known)."""
         if not self.level.limited or self.table is None:
             return math.nan  # unmeasured: near-ties cannot be judged
         group = kv_group(kv_length(n_past + 1, self.table.n_ctx))
         diffs = self.table.groups.get(group)
         d = diffs.diff(n_batch) if diffs is not None and n_batch > 1 else 0.0
         self._drift = max(self._drift, d)
-        return 2.0 * self._drift
+        # rows on a reused cache and rows of a verify batch each stray from plain decoding on
+        # a fresh prefill; the two differences add up at most
+        reused = self.reuse.get(n_past, measure) if self.reuse is not None else 0.0
+        return 2.0 * (self._drift + reused)
+
+
+def top_gap(row: np.ndarray) -> float:
+    """The row's largest logit minus its second largest (0 when two share the top)."""
+    second, first = np.partition(row, -2)[-2:]
+    return float(first - second)
 
 
 def near_tie(row: np.ndarray, tolerance: float) -> bool:

@@ -91,6 +91,7 @@ class MemoryPlan:
     available_gpu: Optional[int] = None
     notes: list[str] = field(default_factory=list)
     shares: list[DeviceShare] = field(default_factory=list)  # per device, for models on RPC workers
+    prompt_cache: int = 0  # RAM budget for saved prompt-cache states (prompt_cache_mb)
 
     @property
     def models(self) -> list[ModelPlan]:
@@ -99,7 +100,7 @@ class MemoryPlan:
     @property
     def needed_ram(self) -> int:
         # on Apple silicon the GPU's share is the same pool of memory, so it is counted here, once
-        return sum(m.total if self.unified_memory and not m.remote else m.ram for m in self.models)
+        return sum(m.total if self.unified_memory and not m.remote else m.ram for m in self.models) + self.prompt_cache
 
     @property
     def needed_gpu(self) -> int:
@@ -125,6 +126,8 @@ class MemoryPlan:
                              f"KV cache {m.kv / GiB:.2f} GiB, compute {m.compute / GiB:.2f} GiB")
         for share in self.shares:
             lines.append(f"{share.device}: needs {share.need / GiB:.2f} GiB, reports {share.free / GiB:.2f} GiB free")
+        if self.prompt_cache:
+            lines.append(f"prompt cache: up to {self.prompt_cache / GiB:.2f} GiB of saved states in RAM")
         both = sum(m.total for m in self.models)
         share = f" (draft {self.draft.total / max(1, both):.0%} of it)" if self.draft else ""
         lines.append(f"needed {self.needed_ram / GiB:.2f} GiB of RAM{share}, available "
@@ -185,7 +188,7 @@ def make_plan(target: Path, draft: Optional[Path], target_settings: ModelSetting
               draft_settings: Optional[ModelSettings] = None, *, gpu_offload: bool = False,
               available: Optional[int] = None, available_gpu: Optional[int] = None,
               target_devices: Optional[list[Device]] = None,
-              draft_devices: Optional[list[Device]] = None) -> MemoryPlan:
+              draft_devices: Optional[list[Device]] = None, prompt_cache: int = 0) -> MemoryPlan:
     """The memory plan for a target and optional draft, each with its own settings
     (the draft's default to the target's).
 
@@ -214,7 +217,7 @@ def make_plan(target: Path, draft: Optional[Path], target_settings: ModelSetting
         available_gpu = discrete
         notes.append("GPU: " + (", ".join(names) or "none reported by llama.cpp"))
     return MemoryPlan(t, d, ram if available is None else available, unified,
-                      available_gpu if gpu_offload else None, notes, shares)
+                      available_gpu if gpu_offload else None, notes, shares, prompt_cache)
 
 
 def ways_out(plan: MemoryPlan, n_ctx: int) -> list[str]:
@@ -235,6 +238,9 @@ def ways_out(plan: MemoryPlan, n_ctx: int) -> list[str]:
         if share.short:
             out.append(f"another RPC worker, or a tensor_split that gives {share.device} less "
                        f"(it is short by {share.short / GiB:.2f} GiB)")
+    if plan.prompt_cache and plan.needed_ram > plan.available_ram:
+        out.append(f"a smaller prompt cache: prompt_cache_mb=0 saves {plan.prompt_cache / GiB:.2f} GiB "
+                   "(the live conversation is still reused)")
     if plan.draft is not None:
         out.append("a smaller draft model")
         out.append(f"no draft model: draft='ngram' (prompt lookup needs no memory) saves {plan.draft.total / GiB:.2f} GiB")

@@ -7,6 +7,7 @@ from typing import NamedTuple, Optional
 
 import numpy as np
 
+from .prompt_cache import PromptCache
 from .runtime import Runtime
 from .sampling import Dist, SamplingSettings, distribution, greedy, sample
 
@@ -36,16 +37,23 @@ class DraftModelProposer:
     fully accepted round).
     """
 
-    def __init__(self, draft: Runtime):
+    def __init__(self, draft: Runtime, cache: Optional[PromptCache] = None, canonical: bool = False):
         self.draft = draft
+        self.cache = cache
+        # a seeded sampled generation needs q independent of what ran before: the draft then
+        # reuses only what a fresh prefill computes bit for bit, like the target
+        self.canonical = canonical
 
-    def prefill(self, tokens: Sequence[int]) -> None:
-        # Fresh, like the target: a prefix reused from an earlier call is batched differently,
-        # so q (and the random draws compared against it) would depend on call history, and
-        # the same seed would no longer give the same text.
-        self.draft.truncate(0)
-        if len(tokens) <= self.draft.n_ctx:
+    def prefill(self, tokens: Sequence[int]) -> int:
+        """Prefill the prompt, reusing the draft's prompt cache; returns the tokens reused."""
+        if len(tokens) > self.draft.n_ctx:
+            self.draft.truncate(0)
+            return 0
+        if self.cache is None:
+            self.draft.truncate(0)
             self.draft.sync(tokens)
+            return 0
+        return self.cache.prefill(tokens, self.canonical).n_reused
 
     def propose(self, tokens: Sequence[int], n_draft: int, sampling: SamplingSettings,
                 rng: np.random.Generator, draft_more: DraftMore) -> Proposal:
@@ -138,10 +146,11 @@ class Proposer:
     def __init__(self, draft: Optional[DraftModelProposer], lookup: Optional[PromptLookupProposer]):
         self.draft, self.lookup = draft, lookup
 
-    def prefill(self, tokens: Sequence[int]) -> None:
-        for source in (self.draft, self.lookup):
-            if source is not None:
-                source.prefill(tokens)
+    def prefill(self, tokens: Sequence[int]) -> int:
+        """Prefill every source with the prompt; returns the tokens the draft model reused."""
+        if self.lookup is not None:
+            self.lookup.prefill(tokens)
+        return self.draft.prefill(tokens) if self.draft is not None else 0
 
     def lookup_offer(self, tokens: Sequence[int], n_max: int) -> tuple[int, list[int]]:
         """(n-gram length of prompt lookup's match, up to n_max tokens it would propose)."""

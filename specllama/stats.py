@@ -27,7 +27,15 @@ class Stats:
     verify_limits: dict[str, int] = field(default_factory=dict)
     near_ties: Optional[int] = 0
     near_tie_positions: list[int] = field(default_factory=list)
-    t_prefill: float = 0.0
+    # the prompt cache: prompt tokens whose KV was reused rather than decoded, where from
+    # ("live" context, "saved" state in RAM, "none"), and whether that state is bit for bit
+    # what a fresh prefill computes (false: rows carry the measured reuse difference)
+    n_prompt_cached: int = 0
+    n_draft_prompt_cached: int = 0
+    prompt_cache: str = "none"
+    prompt_cache_exact: bool = True
+    t_prefill: float = 0.0  # the target's prefill of what was not cached, and the first token
+    t_draft_prefill: float = 0.0  # the draft's, after the first token
     t_calibrate: float = 0.0  # one-time batch-difference measurements at a new KV length
     t_draft: float = 0.0
     t_verify: float = 0.0
@@ -93,7 +101,9 @@ class Stats:
 
     def summary(self) -> str:
         line = (f"{self.n_generated} tokens, {self.decode_tokens_per_second:.1f} tok/s, "
-                f"prefill {self.n_prompt} tokens in {self.t_prefill:.2f}s")
+                f"prefill {self.n_prompt - self.n_prompt_cached} tokens in {self.t_prefill:.2f}s")
+        if self.n_prompt_cached:
+            line += f" ({self.n_prompt_cached} of {self.n_prompt} cached, {self.n_prompt_cached / self.n_prompt:.0%})"
         if self.n_drafted:
             line += (f", acceptance {self.acceptance_rate:.0%} ({self.n_accepted}/{self.n_drafted}), "
                      f"{self.tokens_per_round:.2f} tokens/round, up to {self.n_draft_max} drafted")

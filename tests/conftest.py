@@ -37,6 +37,8 @@ def pair(model_paths):
 
 @pytest.fixture(scope="session")
 def plain(model_paths):
-    """The target alone: the baseline every comparison uses."""
-    with specllama.load(model_paths["target"], **SETTINGS) as llm:
+    """The target alone: the baseline every comparison uses. Plain decoding at the bitwise
+    level reuses only what a fresh prefill computes bit for bit, so every baseline is a fresh
+    run's, whatever the tests before it asked."""
+    with specllama.load(model_paths["target"], exact="bitwise", **SETTINGS) as llm:
         yield llm

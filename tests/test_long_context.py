@@ -87,9 +87,9 @@ def record_rows(monkeypatch, runtime, rows: dict):
     rows[tuple(tokens up to and including the row's own)] = sha1 of the row's bytes."""
     real = runtime.decode
 
-    def decode(tokens, *, n_logits=1):
+    def decode(tokens, *, n_logits=1, **options):
         prefix = list(runtime.cached)
-        real(tokens, n_logits=n_logits)
+        real(tokens, n_logits=n_logits, **options)
         for i in range(n_logits):
             n_in = len(tokens) - n_logits + i + 1
             key = tuple(prefix + list(tokens[:n_in]))

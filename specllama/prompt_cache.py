@@ -1,0 +1,163 @@
+"""Prompt caches: the KV state of earlier requests, reused so a call decodes only what is new.
+
+Each runtime (target, draft) has a PromptCache: the live sequence in its context, plus saved
+sequence states in RAM (llama_state_seq_*) of conversations it switched away from, all under
+one byte budget shared by the caches of a SpecLlama and evicted least recently used first.
+A prefill picks the source with the longest reusable prefix.
+
+What is reusable depends on what the caller promises. A canonical prefill reuses only a prefix
+that a fresh prefill computes bit for bit: whole chunks of n_batch tokens aligned to position 0,
+prefilled on a canonical prefix (Runtime.n_canonical), never generated tokens. Otherwise every
+matching token is reused, and rows computed on that state may stray from a fresh run's by what
+calibrate.reuse_diffs measures.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Optional
+
+from .runtime import PrefillRow, SavedState, common_prefix
+
+log = logging.getLogger("specllama")
+
+MIN_SAVE = 64  # a live sequence is saved before it would lose at least this many tokens
+# decoding up to this many tokens more is worth a state that is bit for bit a fresh prefill's
+# (a prompt sharing a chat template's header with an unrelated one stays canonical, for later reuse)
+EXACT_SLACK = 32
+
+
+@dataclass(frozen=True)
+class Reuse:
+    """What one prefill reused: n_reused tokens from "live" (the context), "saved" (a state
+    in RAM) or "none"; exact when the state is bit for bit a fresh prefill's."""
+
+    n_reused: int
+    source: str
+    exact: bool
+    seconds: float = 0.0  # saving and restoring states (the decode of new tokens not included)
+
+
+def reusable(cached: Sequence[int], n_canonical: int, prefill_row: Optional[PrefillRow], tokens: Sequence[int],
+             canonical: bool, chunk: int, slack: Optional[int] = None) -> tuple[int, bool]:
+    """(how many leading tokens of a state holding `cached` a prefill of `tokens` may keep,
+    whether the state is then bit for bit a fresh prefill's).
+
+    The whole prompt is kept only when the state's last prefill was of exactly this prompt
+    (its last row was kept); otherwise at least one token is decoded. The exact reuse keeps
+    whole aligned chunks of the canonical prefix; a canonical prefill takes nothing else, and
+    any prefill takes it when the rest of the match is at most `slack` tokens.
+    """
+    n_common = common_prefix(cached, tokens)
+    row = prefill_row
+    if row is not None and row.n_tokens == len(tokens) == n_common and (row.canonical or not canonical):
+        return len(tokens), row.canonical
+    n = max(0, min(n_common, len(tokens) - 1))
+    n_exact = min(n, n_canonical) // chunk * chunk
+    if canonical or n - n_exact <= (EXACT_SLACK if slack is None else slack):
+        return n_exact, True
+    return n, False
+
+
+class Budget:
+    """The byte budget the prompt caches of one SpecLlama share; LRU across all of them."""
+
+    def __init__(self, n_bytes: int):
+        self.n_bytes = n_bytes
+        self.entries: list[tuple[Any, SavedState]] = []  # (owning cache, state), oldest first
+        self.n_evicted = 0
+
+    @property
+    def n_used(self) -> int:
+        return sum(state.n_bytes for _, state in self.entries)
+
+    def add(self, owner: Any, state: SavedState) -> bool:
+        if state.n_bytes > self.n_bytes:
+            return False
+        self.entries.append((owner, state))
+        while self.n_used > self.n_bytes:
+            self.entries.pop(0)
+            self.n_evicted += 1
+        return True
+
+    def remove(self, state: SavedState) -> None:
+        self.entries = [(o, s) for o, s in self.entries if s is not state]
+
+    def of(self, owner: Any) -> list[SavedState]:
+        return [s for o, s in self.entries if o is owner]
+
+
+class PromptCache:
+    """The prompt cache of one runtime (a Runtime or RemoteRuntime)."""
+
+    def __init__(self, runtime: Any, budget: Budget):
+        self.runtime = runtime
+        self.budget = budget
+        self.n_hits = 0  # prefills that reused at least one token
+        self.n_misses = 0
+        self.n_reused = 0  # tokens reused, all prefills together
+        self.n_saved = 0
+        self.n_restored = 0
+
+    @property
+    def saved(self) -> list[SavedState]:
+        return self.budget.of(self)
+
+    def prefill(self, tokens: Sequence[int], canonical: bool) -> Reuse:
+        """Make the runtime hold tokens, with logits for the last one, reusing what it can.
+
+        Args:
+            tokens: the prompt (at least one token).
+            canonical: reuse only what a fresh prefill computes bit for bit.
+        """
+        rt, chunk = self.runtime, self.runtime.n_batch
+        t0 = time.perf_counter()
+        best: Optional[SavedState] = None
+        n_best, exact = reusable(rt.cached, rt.n_canonical, rt.prefill_row, tokens, canonical, chunk)
+        for state in self.saved:
+            n, state_exact = reusable(state.tokens, state.n_canonical, state.prefill_row, tokens, canonical, chunk)
+            if n > n_best:
+                best, n_best, exact = state, n, state_exact
+        # what the live sequence would lose; worth keeping for a conversation that comes back
+        if len(rt.cached) - min(common_prefix(rt.cached, tokens), len(tokens) - 1) >= MIN_SAVE:
+            self._save_live()
+        source = "live" if n_best else "none"
+        if best is not None:
+            self.budget.remove(best)  # it becomes the live sequence; saved again when left
+            rt.restore_state(best)
+            self.n_restored += 1
+            source = "saved"
+        seconds = time.perf_counter() - t0
+        rt.prefill(tokens, n_best)
+        self.n_hits += n_best > 0
+        self.n_misses += n_best == 0
+        self.n_reused += n_best
+        return Reuse(n_best, source, exact, seconds)
+
+    def stash(self) -> None:
+        """Save the live sequence before something else takes the context (a measurement)."""
+        if len(self.runtime.cached) >= MIN_SAVE:
+            self._save_live()
+
+    def _save_live(self) -> None:
+        rt = self.runtime
+        # states this one extends hold nothing it does not
+        for state in self.saved:
+            if rt.cached[:len(state.tokens)] == state.tokens and state.n_canonical <= rt.n_canonical:
+                self.budget.remove(state)
+        if self.budget.n_bytes <= 0:
+            return
+        state = rt.save_state()
+        if self.budget.add(self, state):
+            self.n_saved += 1
+        else:
+            log.info("%s: a sequence state of %.0f MiB is over the prompt cache's budget of %.0f MiB; not kept",
+                     rt.name, state.n_bytes / 2**20, self.budget.n_bytes / 2**20)
+
+    def as_dict(self) -> dict:
+        return {"hits": self.n_hits, "misses": self.n_misses, "tokens_reused": self.n_reused,
+                "saved": self.n_saved, "restored": self.n_restored, "states": len(self.saved),
+                "bytes": sum(s.n_bytes for s in self.saved)}

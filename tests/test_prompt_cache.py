@@ -1,0 +1,212 @@
+"""The prompt cache: conversations reuse their KV state, and each fidelity level keeps its promise.
+
+Reference runs are fresh: a SpecLlama loaded for the purpose, or plain decoding at the bitwise
+level (the `plain` fixture), whose reuse is only what a fresh prefill computes bit for bit.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import specllama
+from specllama import prompt_cache
+from specllama.prompt_cache import Budget, reusable
+from specllama.runtime import PrefillRow, chunk_bounds
+
+from conftest import SETTINGS
+from prompts import LONG_CODE
+from test_long_context import first_difference, record_rows
+
+N_TOKENS = 24
+CHUNK = 128  # n_batch of the bitwise tests: several aligned chunks in a 550-token prompt
+
+
+def conversation(n_turns):
+    """The message lists of the turns of a coding chat about LONG_CODE; answers get filled in."""
+    return [{"role": "system", "content": "You are a careful Python reviewer. The file under review:\n" + LONG_CODE},
+            {"role": "user", "content": "What does summarize() return? One sentence."}], \
+        ["And read_readings()?", "Which function would you test first, and why?"][:n_turns - 1]
+
+
+def turns(llm, n_turns, n_tokens=N_TOKENS, **options):
+    """Run a conversation of n_turns on llm, feeding each answer back; returns the results."""
+    messages, follow_ups = conversation(n_turns)
+    results = []
+    for i in range(n_turns):
+        r = llm.chat(messages, max_tokens=n_tokens, **options)
+        results.append(r)
+        if i < len(follow_ups):
+            messages = messages + [{"role": "assistant", "content": r.text}, {"role": "user", "content": follow_ups[i]}]
+    return results, messages
+
+
+# --- pure parts -----------------------------------------------------------------------------
+
+def test_aligned_chunks_end_on_multiples_of_the_batch():
+    assert chunk_bounds(0, 10, 4, True) == [(0, 4), (4, 8), (8, 10)]
+    assert chunk_bounds(6, 7, 4, True) == [(0, 2), (2, 6), (6, 7)]  # positions 6-7, 8-11, 12
+    assert chunk_bounds(6, 7, 4, False) == [(0, 4), (4, 7)]
+
+
+def test_reusable_prefixes():
+    cached, prompt = list(range(20)), list(range(15)) + [99, 98]
+    assert reusable(cached, 0, None, prompt, False, 4, slack=2) == (15, False)  # all that matches
+    assert reusable(cached, 12, None, prompt, True, 4, slack=2) == (12, True)  # canonical: whole chunks only
+    assert reusable(cached, 10, None, prompt, True, 4, slack=2) == (8, True)
+    assert reusable(cached, 12, None, prompt, False, 4, slack=3) == (12, True)  # 3 more tokens buy exactness
+    assert reusable(cached, 8, None, list(range(8)) + [7], False, 4, slack=0) == (8, True)  # a chunk's end
+    # the same prompt again: at least one token is decoded, unless its own prefill row was kept
+    assert reusable(cached, 16, None, cached, False, 4, slack=2) == (19, False)
+    row = PrefillRow(20, np.zeros(3), canonical=True)
+    assert reusable(cached, 16, row, cached, True, 4) == (20, True)
+    assert reusable(cached, 16, PrefillRow(20, np.zeros(3), False), cached, True, 4) == (16, True)
+    assert reusable(cached, 16, PrefillRow(20, np.zeros(3), False), cached, False, 4) == (20, False)
+
+
+def test_budget_evicts_least_recently_used():
+    from specllama.runtime import SavedState
+
+    budget = Budget(100)
+    states = [SavedState([i], 0, bytearray(40)) for i in range(3)]
+    for s in states:
+        assert budget.add("cache", s)
+    assert [s for _, s in budget.entries] == states[1:] and budget.n_used == 80 and budget.n_evicted == 1
+    assert not budget.add("cache", SavedState([9], 0, bytearray(101)))  # never over the budget, even alone
+
+
+# --- real models ----------------------------------------------------------------------------
+
+@pytest.fixture
+def reuse_all(monkeypatch):
+    """Reuse every matching token: a short answer would otherwise be recomputed for an exact
+    state (EXACT_SLACK), and these tests are about reusing generated tokens."""
+    monkeypatch.setattr(prompt_cache, "EXACT_SLACK", 0)
+
+@pytest.fixture(scope="module")
+def bitwise_pair(model_paths):
+    with specllama.load(model_paths["target"], model_paths["draft"], n_draft=3, exact="bitwise", n_batch=CHUNK,
+                        **SETTINGS) as llm:
+        yield llm
+
+
+def test_bitwise_warm_turns_equal_a_fresh_load_row_for_row(bitwise_pair, model_paths, monkeypatch):
+    warm_rows = {}
+    record_rows(monkeypatch, bitwise_pair.target, warm_rows)
+    warm, messages = turns(bitwise_pair, 3)
+    monkeypatch.undo()
+    assert warm[1].stats.n_prompt_cached > 0 and warm[2].stats.n_prompt_cached > 0
+    assert all(r.stats.n_prompt_cached % CHUNK == 0 and r.stats.prompt_cache_exact for r in warm)
+    for i in (1, 2):
+        # a freshly loaded SpecLlama on turn i's prompt, as the client sent it
+        with specllama.load(model_paths["target"], model_paths["draft"], n_draft=3, exact="bitwise",
+                            n_batch=CHUNK, **SETTINGS) as fresh:
+            prompt = bitwise_pair.chat_tokens(turns_prompt(warm, i))
+            fresh_rows = {}
+            record_rows(monkeypatch, fresh.target, fresh_rows)
+            got = fresh.generate(prompt, max_tokens=N_TOKENS)
+            monkeypatch.undo()
+        assert got.tokens == warm[i].tokens, i
+        shared = [k for k in fresh_rows if k in warm_rows]
+        assert len(shared) >= N_TOKENS, (i, len(shared))  # the prefill's last row and every generated one
+        assert all(fresh_rows[k] == warm_rows[k] for k in shared), f"turn {i}: rows differ from a fresh load"
+
+
+def turns_prompt(results, i):
+    """The messages of turn i of conversation(), answers as they came."""
+    messages, follow_ups = conversation(len(results))
+    for j in range(i):
+        messages = messages + [{"role": "assistant", "content": results[j].text},
+                               {"role": "user", "content": follow_ups[j]}]
+    return messages
+
+
+def test_rounding_reuses_answers_and_differs_only_at_counted_near_ties(pair, plain, reuse_all):
+    warm, _ = turns(pair, 3)
+    for i in (1, 2):
+        expected = plain.generate(pair.chat_tokens(turns_prompt(warm, i)), max_tokens=N_TOKENS)
+        first = first_difference(warm[i].tokens, expected.tokens)
+        assert first is None or first in warm[i].stats.near_tie_positions, (i, first, warm[i].stats.near_tie_positions)
+        stats = warm[i].stats
+        # the earlier answer is reused too: more than the previous turn's prompt
+        assert stats.n_prompt_cached > len(pair.chat_tokens(turns_prompt(warm, i - 1))), stats.as_dict()
+        assert not stats.prompt_cache_exact and stats.near_ties is not None
+
+
+def test_the_same_prompt_again_reuses_everything_exactly(pair, plain):
+    prompt = pair.chat_tokens(conversation(1)[0])
+    first = pair.generate(prompt, max_tokens=8)
+    again = pair.generate(prompt, max_tokens=8)
+    assert again.stats.n_prompt_cached == len(prompt) and again.stats.prompt_cache_exact
+    assert again.tokens == first.tokens == plain.generate(prompt, max_tokens=8).tokens
+
+
+def test_a_seed_fixes_the_sampled_text_whatever_the_cache_held(pair, model_paths):
+    options = dict(max_tokens=N_TOKENS, temperature=0.9, seed=7)
+    warm, messages = turns(pair, 2)
+    pair.generate("Unrelated: the capital of France is", max_tokens=4)
+    warm_text = pair.chat(messages, **options)
+    with specllama.load(model_paths["target"], model_paths["draft"], n_draft=4, **SETTINGS) as fresh:
+        fresh_text = fresh.chat(messages, **options)
+    assert warm_text.tokens == fresh_text.tokens
+    assert warm_text.stats.n_prompt_cached > 0 and warm_text.stats.prompt_cache_exact
+
+
+def test_conversations_a_b_a_reuse_a_from_ram(pair, plain, reuse_all):
+    a, messages_a = turns(pair, 1)
+    b_messages = [{"role": "system", "content": "You write haiku."}, {"role": "user", "content": "One about tea."}]
+    b = pair.chat(b_messages, max_tokens=N_TOKENS)
+    assert b.stats.prompt_cache != "saved"
+    messages_a = messages_a + [{"role": "assistant", "content": a[0].text}, {"role": "user", "content": "Thanks."}]
+    again = pair.chat(messages_a, max_tokens=N_TOKENS)
+    assert again.stats.prompt_cache == "saved", again.stats.as_dict()
+    assert again.stats.n_prompt_cached > a[0].stats.n_prompt  # A's prompt and some of its answer
+    expected = plain.generate(pair.chat_tokens(messages_a), max_tokens=N_TOKENS)
+    first = first_difference(again.tokens, expected.tokens)
+    assert first is None or first in again.stats.near_tie_positions
+    assert pair.prompt_cache_info()["target"]["restored"] >= 1
+
+
+def test_an_interrupted_answer_leaves_a_cache_the_next_request_reuses(pair, plain, reuse_all):
+    prompt = pair.chat_tokens(conversation(1)[0])
+    stream = pair.stream(prompt, max_tokens=N_TOKENS)
+    partial = [t for chunk in (next(stream), next(stream), next(stream)) for t in chunk.tokens]
+    stream.close()
+    assert stream.result.finish_reason == "cancelled"
+    # the client continues from what it received: the cache holds it, generated tokens and all
+    follow = prompt + partial
+    got = pair.generate(follow, max_tokens=N_TOKENS)
+    assert got.stats.n_prompt_cached >= len(follow) - 1, got.stats.as_dict()
+    expected = plain.generate(follow, max_tokens=N_TOKENS)
+    first = first_difference(got.tokens, expected.tokens)
+    assert first is None or first in got.stats.near_tie_positions
+
+
+def test_ctrl_c_mid_answer_leaves_a_usable_cache(pair, plain, reuse_all, monkeypatch):
+    from test_interrupts import Boom, interrupt_nth_call
+
+    prompt = pair.chat_tokens(conversation(1)[0])
+    interrupt_nth_call(pair.target, "decode", 3, monkeypatch, before=False)
+    with pytest.raises(Boom):
+        pair.generate(prompt, max_tokens=N_TOKENS, n_draft=2)
+    monkeypatch.undo()
+    got = pair.generate(prompt, max_tokens=N_TOKENS, n_draft=2)
+    assert got.stats.n_prompt_cached > 0
+    first = first_difference(got.tokens, plain.generate(prompt, max_tokens=N_TOKENS).tokens)
+    assert first is None or first in got.stats.near_tie_positions
+
+
+def test_the_byte_budget_is_respected(model_paths):
+    with specllama.load(model_paths["target"], model_paths["draft"], n_draft=2, prompt_cache_mb=16,
+                        **SETTINGS) as llm:
+        for topic in ("tea", "rain", "stone", "ice", "salt", "moss"):
+            llm.chat([{"role": "system", "content": f"You write about {topic}. " * 40},
+                      {"role": "user", "content": f"A line about {topic}."}], max_tokens=4)
+        budget = llm.prompt_cache_budget
+        assert 0 < budget.n_used <= budget.n_bytes == 16 * 2**20
+        assert budget.n_evicted > 0 and llm.prompt_cache_info()["target"]["saved"] >= 3
+
+
+def test_prompt_cache_mb_is_checked(model_paths):
+    with pytest.raises(specllama.InvalidParameterError, match="prompt_cache_mb"):
+        specllama.load(model_paths["target"], prompt_cache_mb=-1, **SETTINGS)
