@@ -63,9 +63,13 @@ class Completion:
     def stats(self) -> Optional[Stats]:
         return self.stream.result.stats if self.stream.result is not None else None
 
-    def usage(self) -> dict:
+    def usage(self, details: bool = False) -> dict:
+        """llama-cpp-python's usage; details adds OpenAI's prompt_tokens_details (cached tokens)."""
         n = len(self.stream.result.tokens) if self.stream.result is not None else 0
-        return {"prompt_tokens": len(self.tokens), "completion_tokens": n, "total_tokens": len(self.tokens) + n}
+        usage = {"prompt_tokens": len(self.tokens), "completion_tokens": n, "total_tokens": len(self.tokens) + n}
+        if details:
+            usage["prompt_tokens_details"] = {"cached_tokens": self.stats.n_prompt_cached if self.stats else 0}
+        return usage
 
     def finish_reason(self) -> str:
         reason = self.stream.result.finish_reason
@@ -107,7 +111,9 @@ def timings(stats: Stats) -> dict:
     """llama.cpp server-style timings of a finished generation."""
     predicted_ms = stats.t_decode * 1000
     n_predicted = max(0, stats.n_generated - 1)
-    return {"prompt_n": stats.n_prompt, "prompt_ms": stats.t_prefill * 1000, "predicted_n": stats.n_generated,
+    # as llama-server: cache_n prompt tokens reused, prompt_n the ones decoded
+    return {"cache_n": stats.n_prompt_cached, "prompt_n": stats.n_prompt - stats.n_prompt_cached,
+            "prompt_ms": stats.t_prefill * 1000, "predicted_n": stats.n_generated,
             "predicted_ms": predicted_ms,
             "predicted_per_second": n_predicted / stats.t_decode if stats.t_decode > 0 else 0.0,
             "draft_n": stats.n_drafted, "draft_n_accepted": stats.n_accepted, "near_ties": stats.near_ties,

@@ -80,6 +80,9 @@ class Metrics:
         self.requests = Counter("specllama_requests", "HTTP requests by endpoint and status",
                                 ["endpoint", "status"], registry=self.registry)
         self.prompt_tokens = Counter("specllama_prompt_tokens", "Prompt tokens processed", registry=self.registry)
+        self.prompt_cached_tokens = Counter("specllama_prompt_cached_tokens",
+                                            "Prompt tokens reused from the prompt cache, not decoded",
+                                            registry=self.registry)
         self.generated_tokens = Counter("specllama_generated_tokens", "Tokens generated", registry=self.registry)
         self.drafted_tokens = Counter("specllama_drafted_tokens", "Tokens drafted", registry=self.registry)
         self.accepted_tokens = Counter("specllama_accepted_tokens", "Drafted tokens the target accepted",
@@ -90,6 +93,7 @@ class Metrics:
 
     def record(self, stats: Any) -> None:
         self.prompt_tokens.inc(stats.n_prompt)
+        self.prompt_cached_tokens.inc(stats.n_prompt_cached)
         self.generated_tokens.inc(stats.n_generated)
         self.drafted_tokens.inc(stats.n_drafted)
         self.accepted_tokens.inc(stats.n_accepted)
@@ -228,6 +232,7 @@ def create_app(load: Callable[[], Any], model_id: str, api_key: Optional[str] = 
         finally:
             turn.release()
         response["timings"] = timings(completion.stats)
+        response["usage"] = completion.usage(details=True)
         metrics.record(completion.stats)
         return response
 
@@ -289,7 +294,8 @@ class _StreamRun:
             if include_usage:
                 yield json.dumps({"id": self.completion.id, "object": last["object"] if last else
                                   "chat.completion.chunk", "created": self.completion.created,
-                                  "model": self.completion.model, "choices": [], "usage": self.completion.usage()})
+                                  "model": self.completion.model, "choices": [],
+                                  "usage": self.completion.usage(details=True)})
             yield "[DONE]"
         finally:
             self.cancelled.set()

@@ -209,3 +209,37 @@ def test_metrics_in_prometheus_format(server, client):
     assert values["specllama_drafted_tokens_total"] > 0 and "specllama_accepted_tokens_total" in values
     assert values['specllama_requests_total{endpoint="/v1/chat/completions",status="200"}'] >= 1
     assert values['specllama_phase_seconds_total{phase="verify"}'] > 0
+
+
+def test_a_second_turn_reuses_the_prompt_cache_and_starts_sooner(server, client):
+    """Two turns of a chat over a long system prompt, as aider or Continue send them."""
+    from prompts import LONG_CODE
+
+    messages = [{"role": "system", "content": "You review this file:\n" + LONG_CODE},
+                {"role": "user", "content": "What does summarize() return?"}]
+    seen = []
+    for turn in range(2):
+        t0 = time.monotonic()
+        first_token, text, usage, timings = None, "", None, None
+        for chunk in client.chat.completions.create(model="qwen-test", messages=messages, temperature=0,
+                                                    max_tokens=16, stream=True,
+                                                    stream_options={"include_usage": True}):
+            if chunk.choices and chunk.choices[0].delta.content and first_token is None:
+                first_token = time.monotonic() - t0
+            if chunk.choices:
+                text += chunk.choices[0].delta.content or ""
+                timings = (chunk.model_extra or {}).get("timings") or timings
+            if chunk.usage is not None:
+                usage = chunk.usage
+        seen.append((first_token, usage, timings))
+        messages = messages + [{"role": "assistant", "content": text},
+                               {"role": "user", "content": "And wettest_stations()?"}]
+    (ttft1, usage1, timings1), (ttft2, usage2, timings2) = seen
+    assert usage1.prompt_tokens_details.cached_tokens < usage2.prompt_tokens_details.cached_tokens
+    assert usage2.prompt_tokens_details.cached_tokens > usage1.prompt_tokens // 2
+    assert timings2["cache_n"] == usage2.prompt_tokens_details.cached_tokens
+    assert timings2["prompt_n"] == usage2.prompt_tokens - timings2["cache_n"]
+    assert ttft2 < ttft1 and timings2["prompt_ms"] < timings1["prompt_ms"], (seen,)
+    text = httpx.get(f"{server[0]}/metrics", headers={"Authorization": f"Bearer {KEY}"}).text
+    assert any(line.startswith("specllama_prompt_cached_tokens_total ") and float(line.split()[1]) > 0
+               for line in text.splitlines())
