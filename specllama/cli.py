@@ -58,6 +58,10 @@ def _model_options(f):
         click.option("--tensor-split", default=None,
                      help="Share of the offloaded layers per device, e.g. 3,1 (default: by free memory)."),
         click.option("--draft-rpc", default=None, help="RPC workers for the draft too (default: none, local)."),
+        click.option("--prompt-cache-mb", type=click.FloatRange(min=0), default=1024, show_default=True,
+                     envvar="SPECLLAMA_PROMPT_CACHE_MB",
+                     help="RAM for saved prompt-cache states of conversations switched away from "
+                          "(0: only the live one is reused)."),
         click.option("-v", "--verbose", is_flag=True, help="Show llama.cpp logs and full tracebacks."),
     ]):
         f = option(f)
@@ -66,7 +70,7 @@ def _model_options(f):
 
 def _load(model: str, draft: str, n_draft: Optional[int], n_ctx: int, n_threads: Optional[int],
           n_gpu_layers: int, draft_n_gpu_layers: Optional[int], exact: str, inexact: bool, rpc: Optional[str],
-          tensor_split: Optional[str], draft_rpc: Optional[str], verbose: bool):
+          tensor_split: Optional[str], draft_rpc: Optional[str], verbose: bool, prompt_cache_mb: float = 1024):
     from .draft_select import resolve_pair
     from .engine import load
 
@@ -81,7 +85,8 @@ def _load(model: str, draft: str, n_draft: Optional[int], n_ctx: int, n_threads:
         if value:
             settings[key] = value
     kwargs = {} if n_draft is None else {"n_draft": n_draft if n_draft == "auto" else _int_option("--n-draft", n_draft)}
-    return load(target_path, "ngram" if ngram else draft_path, exact="off" if inexact else exact, **kwargs, **settings)
+    return load(target_path, "ngram" if ngram else draft_path, exact="off" if inexact else exact,
+                prompt_cache_mb=prompt_cache_mb, **kwargs, **settings)
 
 
 @main.command()
@@ -104,8 +109,8 @@ def _load(model: str, draft: str, n_draft: Optional[int], n_ctx: int, n_threads:
 def run(ctx: click.Context, model: str, prompt: Optional[str], draft: str, n_draft: Optional[int], n_ctx: int,
         n_threads: Optional[int], n_gpu_layers: int, draft_n_gpu_layers: Optional[int], exact: str, inexact: bool,
         rpc: Optional[str], tensor_split: Optional[str], draft_rpc: Optional[str],
-        verbose: bool, max_tokens: int, temperature: float, top_k: int, top_p: float, min_p: float,
-        seed: Optional[int], stop: tuple[str, ...], raw: bool, system: Optional[str], as_json: bool,
+        prompt_cache_mb: float, verbose: bool, max_tokens: int, temperature: float, top_k: int, top_p: float,
+        min_p: float, seed: Optional[int], stop: tuple[str, ...], raw: bool, system: Optional[str], as_json: bool,
         compare: bool) -> None:
     """Generate from MODEL (a .gguf path, repo id or alias), streaming text to stdout.
 
@@ -118,7 +123,7 @@ def run(ctx: click.Context, model: str, prompt: Optional[str], draft: str, n_dra
             raise click.UsageError("give a PROMPT argument or pipe one on stdin")
         prompt = sys.stdin.read()
     llm = _load(model, draft, n_draft, n_ctx, n_threads, n_gpu_layers, draft_n_gpu_layers, exact, inexact,
-                rpc, tensor_split, draft_rpc, verbose)
+                rpc, tensor_split, draft_rpc, verbose, prompt_cache_mb)
     with llm:
         options = dict(max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
                        min_p=min_p, seed=seed, stop=list(stop))
@@ -242,8 +247,11 @@ class _StatusLine:
         self.t_last = now
         rate = self.n_tokens / max(now - self.t_start, 1e-9)
         share = self.n_from_draft / self.n_tokens if self.n_tokens else 0.0
-        n_ties = len(stream.stats.near_tie_positions) if stream.stats is not None else 0
+        stats = stream.stats
+        n_ties = len(stats.near_tie_positions) if stats is not None else 0
         ties = f", {n_ties} near-ties" if n_ties else ""
+        if stats is not None and stats.n_prompt_cached:
+            ties += f", prompt {stats.n_prompt_cached / stats.n_prompt:.0%} cached"
         # save cursor, jump to the last column's line start is not portable; use a title-free \r line
         sys.stderr.write(f"\0337\r\n\033[2K  {self.n_tokens} tok, {rate:.1f} tok/s, {share:.0%} drafted "
                          f"({self.draft}){ties}\0338")
@@ -252,6 +260,46 @@ class _StatusLine:
     def clear(self) -> None:
         sys.stderr.write("\0337\r\n\033[2K\0338")
         sys.stderr.flush()
+
+
+@main.command("chat")
+@click.argument("model", envvar="SPECLLAMA_MODEL")
+@_model_options
+@click.option("--system", default=None, help="System message that starts the conversation.")
+@click.option("--max-tokens", type=click.IntRange(min=1), default=None,
+              help="Most tokens per answer (default: as many as the context has room for).")
+@click.option("--temp", "temperature", type=float, default=0.0, show_default=True, help="0 = greedy.")
+@click.option("--top-k", type=int, default=40, show_default=True)
+@click.option("--top-p", type=float, default=0.95, show_default=True)
+@click.option("--min-p", type=float, default=0.05, show_default=True)
+@click.option("--seed", type=int, default=None)
+@click.option("--stats", "show_stats", is_flag=True, help="Print each answer's figures after it (stderr).")
+@click.pass_context
+def chat_cmd(ctx: click.Context, model: str, draft: str, n_draft: Optional[str], n_ctx: int,
+             n_threads: Optional[int], n_gpu_layers: int, draft_n_gpu_layers: Optional[int], exact: str,
+             inexact: bool, rpc: Optional[str], tensor_split: Optional[str], draft_rpc: Optional[str],
+             prompt_cache_mb: float, verbose: bool, system: Optional[str], max_tokens: Optional[int],
+             temperature: float, top_k: int, top_p: float, min_p: float, seed: Optional[int],
+             show_stats: bool) -> None:
+    """Chat with MODEL in the terminal; the history and its prompt cache are kept between turns."""
+    from .chat import chat_loop
+
+    ctx.meta["specllama.verbose"] = verbose
+    _setup_logging(verbose)
+    try:
+        import readline  # noqa: F401  (line editing and history for input())
+    except ImportError:
+        pass
+    llm = _load(model, draft, n_draft, n_ctx, n_threads, n_gpu_layers, draft_n_gpu_layers, exact, inexact,
+                rpc, tensor_split, draft_rpc, verbose, prompt_cache_mb)
+    options: dict[str, Any] = dict(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed)
+    if max_tokens is not None:
+        options["max_tokens"] = max_tokens
+    with llm:
+        if llm.target.chat_template() is None:
+            raise click.ClickException(f"{llm.target.name} has no chat template in its GGUF; "
+                                       "use `specllama run --raw` with a plain prompt")
+        chat_loop(llm, options, system=system, show_stats=show_stats)
 
 
 @main.command("draft")
@@ -388,7 +436,7 @@ def calibrate_cmd(model: str, draft: str, n_ctx: int, n_threads: Optional[int], 
 def bench_cmd(ctx: click.Context, model: str, prompts_file: str, draft: str, n_draft: Optional[int], n_ctx: int,
               n_threads: Optional[int], n_gpu_layers: int, draft_n_gpu_layers: Optional[int], exact: str,
               inexact: bool, rpc: Optional[str], tensor_split: Optional[str], draft_rpc: Optional[str],
-              verbose: bool, max_tokens: int, as_json: bool) -> None:
+              prompt_cache_mb: float, verbose: bool, max_tokens: int, as_json: bool) -> None:
     """Run your own prompts plain vs speculative (auto and fixed lengths) and recommend settings."""
     ctx.meta["specllama.verbose"] = verbose
     prompts = []
@@ -405,7 +453,7 @@ def bench_cmd(ctx: click.Context, model: str, prompts_file: str, draft: str, n_d
     if not prompts:
         raise click.BadParameter("the file has no prompts", param_hint="--prompts")
     llm = _load(model, draft, n_draft, n_ctx, n_threads, n_gpu_layers, draft_n_gpu_layers, exact, inexact,
-                rpc, tensor_split, draft_rpc, verbose)
+                rpc, tensor_split, draft_rpc, verbose, prompt_cache_mb)
     configs: list[Any] = [0, "auto"] + ([2, 4, 8] if llm.speculates else [])
     totals = {c: [0, 0.0, 0] for c in configs}  # tokens, decode seconds, near-ties
     with llm, click.progressbar(length=len(prompts) * len(configs), label="benchmarking",
@@ -535,7 +583,7 @@ def doctor_cmd(model: Optional[str], draft: str, n_ctx: int, n_threads: Optional
 def serve_cmd(ctx: click.Context, model: str, draft: str, n_draft: Optional[str], n_ctx: int,
               n_threads: Optional[int], n_gpu_layers: int, draft_n_gpu_layers: Optional[int], exact: str,
               inexact: bool, rpc: Optional[str], tensor_split: Optional[str], draft_rpc: Optional[str],
-              verbose: bool, host: str, port: int, api_key: Optional[str],
+              prompt_cache_mb: float, verbose: bool, host: str, port: int, api_key: Optional[str],
               model_id: Optional[str]) -> None:
     """Serve MODEL over an OpenAI-compatible API (/v1/chat/completions, /v1/completions)."""
     ctx.meta["specllama.verbose"] = verbose
@@ -558,7 +606,7 @@ def serve_cmd(ctx: click.Context, model: str, draft: str, n_draft: Optional[str]
 
     def load():
         return _load(model, draft, n_draft, n_ctx, n_threads, n_gpu_layers, draft_n_gpu_layers, exact, inexact,
-                     rpc, tensor_split, draft_rpc, verbose)
+                     rpc, tensor_split, draft_rpc, verbose, prompt_cache_mb)
 
     if host not in ("127.0.0.1", "localhost", "::1"):
         click.echo(f"warning: listening on {host}, reachable from other machines"
