@@ -1,0 +1,130 @@
+"""A 4-turn coding chat, time per turn: specllama against llama-cpp-python's own prefix reuse.
+
+    .venv/bin/python -m pytest benchmarks/test_chat.py -s
+
+The system prompt holds a real source file (Python's shlex.py, about 3,000 tokens with the
+chat template), then four user turns, each answer fed back as the assistant turn, greedy, 128
+tokens per answer, streamed, 2 threads. Per turn: time to the first token and turn time, for
+specllama (defaults: the draft model, auto n_draft, the rounding level and its prompt cache)
+and for llama_cpp.Llama (plain decoding, same n_ctx/n_batch/threads, its longest-prefix reuse),
+in the same process, one after the other. specllama starts from an empty calibration folder,
+so its first-use measurements are inside these figures; each turn reports what they cost.
+Targets: the Qwen2.5-Coder 1.5B in F16 and Q4_K_M, drafted by the 0.5B Q4_K_M.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import os
+import shlex
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+N_TOKENS = 128
+N_THREADS = int(os.environ.get("SPECLLAMA_BENCH_THREADS", "2"))
+N_CTX = 6144
+SOURCE = inspect.getsource(shlex)
+QUESTIONS = [
+    "Explain in a few sentences what shlex.split does with posix=True versus posix=False.",
+    "Write a small function that uses shlex to split a command line and reports unbalanced quotes.",
+    "How does shlex.quote decide whether a string needs quoting? Show an example.",
+    "Suggest two unit tests for the punctuation_chars option.",
+]
+TARGETS = {"f16": "target-f16", "q4": "target"}
+
+
+def system_messages():
+    return [{"role": "system", "content": "You are a senior Python developer. Answer questions about this file:\n\n"
+             "```python\n" + SOURCE + "```"}]
+
+
+def chat_turns(ask) -> list[dict]:
+    """Run the conversation with ask(messages) -> (text, ttft, seconds, extra); one row per turn."""
+    messages, rows = system_messages(), []
+    for question in QUESTIONS:
+        messages = messages + [{"role": "user", "content": question}]
+        text, ttft, seconds, extra = ask(messages)
+        rows.append({"ttft": ttft, "seconds": seconds, **extra})
+        messages = messages + [{"role": "assistant", "content": text}]
+    return rows
+
+
+def ask_specllama(llm):
+    def ask(messages):
+        t0 = time.perf_counter()
+        stream = llm.chat_stream(messages, max_tokens=N_TOKENS)
+        ttft, pieces = None, []
+        for chunk in stream:
+            if ttft is None:
+                ttft = time.perf_counter() - t0
+            pieces.append(chunk.text)
+        seconds = time.perf_counter() - t0
+        s = stream.result.stats
+        return "".join(pieces), ttft, seconds, {
+            "n_prompt": s.n_prompt, "n_cached": s.n_prompt_cached, "n_draft_cached": s.n_draft_prompt_cached,
+            "prefill_s": s.t_prefill, "draft_prefill_s": s.t_draft_prefill, "calibrate_s": s.t_calibrate,
+            "n_generated": s.n_generated, "acceptance": s.acceptance_rate, "near_ties": s.near_ties,
+            "exact_cache": s.prompt_cache_exact}
+    return ask
+
+
+def ask_llama_cpp(llama):
+    def ask(messages):
+        t0 = time.perf_counter()
+        ttft, pieces = None, []
+        for chunk in llama.create_chat_completion(messages, temperature=0.0, max_tokens=N_TOKENS, stream=True):
+            content = chunk["choices"][0]["delta"].get("content")
+            if content:
+                if ttft is None:
+                    ttft = time.perf_counter() - t0
+                pieces.append(content)
+        return "".join(pieces), ttft, time.perf_counter() - t0, {}
+    return ask
+
+
+@pytest.mark.parametrize("target", list(TARGETS))
+def test_four_turn_chat(bench_models, target, monkeypatch):
+    import llama_cpp
+
+    import specllama
+
+    # an empty calibration folder: first-use measurements count, as for a new user
+    monkeypatch.setenv("SPECLLAMA_HOME", tempfile.mkdtemp(prefix="specllama-bench-chat-"))
+    path = bench_models[TARGETS[target]]
+    t0 = time.perf_counter()
+    with specllama.load(path, bench_models["draft"], n_ctx=N_CTX, n_threads=N_THREADS) as llm:
+        load_s = time.perf_counter() - t0
+        ours = chat_turns(ask_specllama(llm))
+        cache = llm.prompt_cache_info()
+    llama = llama_cpp.Llama(str(path), n_ctx=N_CTX, n_batch=512, n_threads=N_THREADS, n_threads_batch=N_THREADS,
+                            verbose=False)
+    try:
+        theirs = chat_turns(ask_llama_cpp(llama))
+    finally:
+        llama.close()
+    later = slice(1, None)
+    row = {
+        "benchmark": "chat", "target": target, "load_s": load_s, "ours": ours, "llama_cpp": theirs, "cache": cache,
+        "ttft1_ratio": ours[0]["ttft"] / theirs[0]["ttft"],
+        "ttft_later_ratio": max(o["ttft"] / t["ttft"] for o, t in zip(ours[later], theirs[later])),
+        "turns_2_4_ratio": sum(o["seconds"] for o in ours[later]) / sum(t["seconds"] for t in theirs[later]),
+    }
+    out = ROOT / ".benchmarks" / f"chat-{target}.json"
+    out.parent.mkdir(exist_ok=True)
+    out.write_text(json.dumps(row, indent=1, default=str))
+    print(f"\n{target}: specllama vs llama_cpp.Llama, seconds (ratio)")
+    for i, (o, t) in enumerate(zip(ours, theirs), 1):
+        print(f"  turn {i}: first token {o['ttft']:.2f} vs {t['ttft']:.2f} ({o['ttft'] / t['ttft']:.2f}x), "
+              f"turn {o['seconds']:.1f} vs {t['seconds']:.1f} ({o['seconds'] / t['seconds']:.2f}x); "
+              f"prompt {o['n_prompt']} tokens, {o['n_cached']} cached (draft {o['n_draft_cached']}), "
+              f"prefill {o['prefill_s']:.2f}s, draft prefill {o['draft_prefill_s']:.2f}s, "
+              f"measuring {o['calibrate_s']:.2f}s, acceptance {o['acceptance']:.0%}, near-ties {o['near_ties']}")
+    print(f"  turn 1 first token {row['ttft1_ratio']:.2f}x (goal <= 1.15), later first tokens at most "
+          f"{row['ttft_later_ratio']:.2f}x (goal <= 1.5), turns 2-4 {row['turns_2_4_ratio']:.2f}x "
+          f"(goal <= {0.7 if target == 'f16' else 1.05})")
