@@ -6,7 +6,8 @@ The system prompt holds a real source file (Python's shlex.py, about 3,000 token
 chat template), then four user turns, each answer fed back as the assistant turn, greedy, 128
 tokens per answer, streamed, 2 threads. Per turn: time to the first token and turn time, for
 specllama (defaults: the draft model, auto n_draft, the rounding level and its prompt cache)
-and for llama_cpp.Llama (plain decoding, same n_ctx/n_batch/threads, its longest-prefix reuse),
+and for llama_cpp.Llama (plain decoding, same n_ctx/n_batch/threads/flash attention, its
+longest-prefix reuse),
 in the same process, one after the other. specllama starts from an empty calibration folder,
 so its first-use measurements are inside these figures; each turn reports what they cost.
 Targets: the Qwen2.5-Coder 1.5B in F16 and Q4_K_M, drafted by the 0.5B Q4_K_M.
@@ -29,6 +30,9 @@ ROOT = Path(__file__).resolve().parent.parent
 N_TOKENS = 128
 N_THREADS = int(os.environ.get("SPECLLAMA_BENCH_THREADS", "2"))
 N_CTX = 6144
+# flash attention on both sides alike: "off" is llama-cpp-python's default, "on" llama.cpp's
+# choice on this CPU when left to auto (specllama's default)
+FLASH_ATTN = os.environ.get("SPECLLAMA_BENCH_FLASH_ATTN", "off") == "on"
 SOURCE = inspect.getsource(shlex)
 QUESTIONS = [
     "Explain in a few sentences what shlex.split does with posix=True versus posix=False.",
@@ -98,27 +102,28 @@ def test_four_turn_chat(bench_models, target, monkeypatch):
     monkeypatch.setenv("SPECLLAMA_HOME", tempfile.mkdtemp(prefix="specllama-bench-chat-"))
     path = bench_models[TARGETS[target]]
     t0 = time.perf_counter()
-    with specllama.load(path, bench_models["draft"], n_ctx=N_CTX, n_threads=N_THREADS) as llm:
+    with specllama.load(path, bench_models["draft"], n_ctx=N_CTX, n_threads=N_THREADS, flash_attn=FLASH_ATTN) as llm:
         load_s = time.perf_counter() - t0
         ours = chat_turns(ask_specllama(llm))
         cache = llm.prompt_cache_info()
     llama = llama_cpp.Llama(str(path), n_ctx=N_CTX, n_batch=512, n_threads=N_THREADS, n_threads_batch=N_THREADS,
-                            verbose=False)
+                            flash_attn=FLASH_ATTN, verbose=False)
     try:
         theirs = chat_turns(ask_llama_cpp(llama))
     finally:
         llama.close()
     later = slice(1, None)
     row = {
-        "benchmark": "chat", "target": target, "load_s": load_s, "ours": ours, "llama_cpp": theirs, "cache": cache,
+        "benchmark": "chat", "target": target, "flash_attn": FLASH_ATTN, "load_s": load_s, "ours": ours, "llama_cpp": theirs, "cache": cache,
         "ttft1_ratio": ours[0]["ttft"] / theirs[0]["ttft"],
         "ttft_later_ratio": max(o["ttft"] / t["ttft"] for o, t in zip(ours[later], theirs[later])),
         "turns_2_4_ratio": sum(o["seconds"] for o in ours[later]) / sum(t["seconds"] for t in theirs[later]),
     }
-    out = ROOT / ".benchmarks" / f"chat-{target}.json"
+    out = ROOT / ".benchmarks" / f"chat-{target}-fa-{'on' if FLASH_ATTN else 'off'}.json"
     out.parent.mkdir(exist_ok=True)
     out.write_text(json.dumps(row, indent=1, default=str))
-    print(f"\n{target}: specllama vs llama_cpp.Llama, seconds (ratio)")
+    fa = "on" if FLASH_ATTN else "off"
+    print(f"\n{target}, flash attention {fa}: specllama vs llama_cpp.Llama, seconds (ratio)")
     for i, (o, t) in enumerate(zip(ours, theirs), 1):
         print(f"  turn {i}: first token {o['ttft']:.2f} vs {t['ttft']:.2f} ({o['ttft'] / t['ttft']:.2f}x), "
               f"turn {o['seconds']:.1f} vs {t['seconds']:.1f} ({o['seconds'] / t['seconds']:.2f}x); "

@@ -57,11 +57,9 @@ def generate_steps(
     first_gap = top_gap(target.logits(0)) if sampling.greedy and limits.reuse is not None else None
     stats.t_prefill += time.perf_counter() - t_start
     tokens.append(next_token)
+    if proposer is not None:  # the draft model prefills when a round first drafts with it
+        proposer.prefill(prompt)
     yield Step([next_token], 0)
-    if proposer is not None:  # after the first token: the person waiting sees text sooner
-        t0 = time.perf_counter()
-        stats.n_draft_prompt_cached = proposer.prefill(prompt)
-        stats.t_draft_prefill = time.perf_counter() - t0
     try:
         while len(tokens) <= target.n_ctx:
             n_past = len(tokens) - 1
@@ -105,6 +103,9 @@ def generate_steps(
     finally:
         # interrupted between verify and rollback: drop the unverified rows
         target.truncate(len(tokens) - 1)
+        if proposer is not None:  # the draft's prefill ran inside a draft step: count it apart
+            stats.n_draft_prompt_cached, stats.t_draft_prefill = proposer.draft_prefill()
+            stats.t_draft -= stats.t_draft_prefill
         if first_gap is not None:  # no round ran: judge the first row if the tolerance is known
             _judge_first_row(first_gap, limits.tolerance(len(prompt) - 1, 1, measure=False), stats)
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
 from typing import NamedTuple, Optional
 
@@ -43,20 +44,31 @@ class DraftModelProposer:
         # a seeded sampled generation needs q independent of what ran before: the draft then
         # reuses only what a fresh prefill computes bit for bit, like the target
         self.canonical = canonical
+        self._prompt: Optional[list[int]] = None  # to prefill before the first draft
+        self.n_prompt_cached = 0
+        self.t_prefill = 0.0
 
-    def prefill(self, tokens: Sequence[int]) -> int:
-        """Prefill the prompt, reusing the draft's prompt cache; returns the tokens reused."""
+    def prefill(self, tokens: Sequence[int]) -> None:
+        """Note the prompt; it is prefilled (reusing the draft's prompt cache) only when the
+        first round drafts, so a generation that never drafts never pays for it."""
+        self._prompt = list(tokens)
+
+    def _prefill_now(self) -> None:
+        tokens, self._prompt = self._prompt, None
+        t0 = time.perf_counter()
         if len(tokens) > self.draft.n_ctx:
             self.draft.truncate(0)
-            return 0
-        if self.cache is None:
+        elif self.cache is None:
             self.draft.truncate(0)
             self.draft.sync(tokens)
-            return 0
-        return self.cache.prefill(tokens, self.canonical).n_reused
+        else:
+            self.n_prompt_cached = self.cache.prefill(tokens, self.canonical).n_reused
+        self.t_prefill = time.perf_counter() - t0
 
     def propose(self, tokens: Sequence[int], n_draft: int, sampling: SamplingSettings,
                 rng: np.random.Generator, draft_more: DraftMore) -> Proposal:
+        if self._prompt is not None:
+            self._prefill_now()
         n_draft = min(n_draft, self.draft.n_ctx - len(tokens) + 1)
         if n_draft <= 0:
             return EMPTY
@@ -146,11 +158,14 @@ class Proposer:
     def __init__(self, draft: Optional[DraftModelProposer], lookup: Optional[PromptLookupProposer]):
         self.draft, self.lookup = draft, lookup
 
-    def prefill(self, tokens: Sequence[int]) -> int:
-        """Prefill every source with the prompt; returns the tokens the draft model reused."""
-        if self.lookup is not None:
-            self.lookup.prefill(tokens)
-        return self.draft.prefill(tokens) if self.draft is not None else 0
+    def prefill(self, tokens: Sequence[int]) -> None:
+        for source in (self.draft, self.lookup):
+            if source is not None:
+                source.prefill(tokens)
+
+    def draft_prefill(self) -> tuple[int, float]:
+        """(prompt tokens the draft model reused, seconds its prefill took); 0s if it never ran."""
+        return (self.draft.n_prompt_cached, self.draft.t_prefill) if self.draft is not None else (0, 0.0)
 
     def lookup_offer(self, tokens: Sequence[int], n_max: int) -> tuple[int, list[int]]:
         """(n-gram length of prompt lookup's match, up to n_max tokens it would propose)."""

@@ -98,7 +98,8 @@ class Metrics:
         self.drafted_tokens.inc(stats.n_drafted)
         self.accepted_tokens.inc(stats.n_accepted)
         self.near_ties.inc(stats.near_ties or 0)
-        for phase, seconds in (("prefill", stats.t_prefill), ("draft", stats.t_draft), ("verify", stats.t_verify),
+        for phase, seconds in (("prefill", stats.t_prefill + stats.t_draft_prefill), ("draft", stats.t_draft),
+                               ("verify", stats.t_verify),
                                ("calibrate", stats.t_calibrate), ("other", stats.t_other)):
             self.seconds.labels(phase).inc(seconds)
 

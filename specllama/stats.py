@@ -80,7 +80,7 @@ class Stats:
 
     @property
     def t_decode(self) -> float:
-        return self.t_total - self.t_prefill - self.t_calibrate
+        return self.t_total - self.t_prefill - self.t_draft_prefill - self.t_calibrate
 
     @property
     def t_other(self) -> float:
@@ -104,6 +104,8 @@ class Stats:
                 f"prefill {self.n_prompt - self.n_prompt_cached} tokens in {self.t_prefill:.2f}s")
         if self.n_prompt_cached:
             line += f" ({self.n_prompt_cached} of {self.n_prompt} cached, {self.n_prompt_cached / self.n_prompt:.0%})"
+        if self.t_draft_prefill >= 0.01:
+            line += f", draft prefill {self.t_draft_prefill:.2f}s"
         if self.n_drafted:
             line += (f", acceptance {self.acceptance_rate:.0%} ({self.n_accepted}/{self.n_drafted}), "
                      f"{self.tokens_per_round:.2f} tokens/round, up to {self.n_draft_max} drafted")
