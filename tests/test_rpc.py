@@ -12,10 +12,12 @@ import threading
 import time
 from contextlib import contextmanager
 
+import numpy as np
 import pytest
 
 import specllama
 from specllama import runtime
+from specllama.fidelity import top_gap
 from specllama.errors import InvalidParameterError, RpcError
 from specllama.plan import device_shares, make_plan
 from specllama.remote import check_reachable
@@ -23,6 +25,7 @@ from specllama.runtime import Device, ModelSettings, offload_devices, parse_endp
 
 from conftest import SETTINGS
 from prompts import CODE
+from test_long_context import first_difference
 
 needs_rpc = pytest.mark.skipif(not runtime.supports_rpc(), reason=runtime.NO_RPC_BUILD)
 N_TOKENS = 40
@@ -130,9 +133,10 @@ def test_an_unreachable_worker_is_named_at_once():
 # --- real workers -----------------------------------------------------------------------------
 
 @needs_rpc
-def test_target_on_two_workers_matches_the_local_target(model_paths, pair):
+def test_target_on_two_workers_matches_the_local_target(model_paths, pair, plain):
     prompt = pair.tokenize(CODE)
-    local = pair.generate(prompt, max_tokens=N_TOKENS, n_draft=0)
+    local = plain.generate(prompt, max_tokens=N_TOKENS)  # a fresh run's tokens, whatever ran before
+    local_target = plain.target
     with workers(2) as (endpoints, _):
         with specllama.load(model_paths["target"], model_paths["draft"], n_draft=4, rpc=endpoints,
                             **SETTINGS) as llm:
@@ -144,13 +148,24 @@ def test_target_on_two_workers_matches_the_local_target(model_paths, pair):
             spec = llm.generate(prompt, max_tokens=N_TOKENS, exact="bitwise")
             # a Ctrl-C while the host decodes leaves this process and the host in step
             after = interrupted_then_again(llm, prompt)
+            # and that is the local target's output, up to the kernels. Not bitwise for Q4_K:
+            # weights in RPC buffers are not repacked, so another kernel runs (F16 rows are
+            # bitwise equal). Where the two first differ, the local row's top two logits must
+            # be closer than twice what the two backends' rows for the same tokens differ by
+            # there, on this machine (on one Intel CPU no choice of this prompt was that close;
+            # on an AVX-512 EPYC the 11th token was)
+            first = first_difference(plain.tokens, local.tokens)
+            if first is not None:
+                seq = prompt + local.tokens[:first]
+                llm.target.sync(seq)
+                remote_row = llm.target.logits(0).copy()
+                local_target.sync(seq)
+                local_row = local_target.logits(0).copy()
+                d = float(np.max(np.abs(remote_row - local_row)))
+                assert top_gap(local_row) <= 2 * d, (first, top_gap(local_row), d)
     # fidelity is to the target as it runs here, on the workers: bitwise its own plain decoding
     assert spec.tokens == plain.tokens and after.tokens == plain.tokens
     assert spec.stats.n_drafted > 0
-    # and that is the local target's output. Not bitwise for Q4_K: weights in RPC buffers are
-    # not repacked, so another kernel runs; rows differ from the local ones by 0.45-0.67 logits
-    # (F16 rows are bitwise equal), and no greedy choice of this prompt is that close
-    assert plain.tokens == local.tokens
 
 
 @needs_rpc
