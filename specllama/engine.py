@@ -249,7 +249,9 @@ class SpecLlama:
         return b"".join(self.target.piece(t) for t in tokens).decode("utf-8", errors="replace")
 
     def close(self) -> None:
-        """Free both models (a borrowed llama_cpp.Llama stays with its owner)."""
+        """Free both models (a borrowed llama_cpp.Llama stays with its owner) and the saved
+        prompt-cache states."""
+        self.prompt_cache_budget.entries.clear()
         for runtime in (self.draft, self.target):
             if runtime is not None:
                 runtime.close()
@@ -517,6 +519,7 @@ def load(target: Any, draft: Any = None, *, n_draft: Union[int, str] = "auto",
             raise TypeError(f"load() got an unknown setting {key!r}; known: {', '.join(sorted(_SETTING_NAMES))}")
     _check_n_draft(n_draft)
     parse_level(exact)
+    _check_cache_mb(prompt_cache_mb)
     if draft == "ngram":
         draft, lookup = None, True
     target_settings, draft_settings = ModelSettings(**target_kw), ModelSettings(**draft_kw)

@@ -15,11 +15,11 @@ calibrate.reuse_diffs measures.
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Optional
 
+from .errors import DecodeError
 from .runtime import PrefillRow, SavedState, common_prefix
 
 log = logging.getLogger("specllama")
@@ -38,7 +38,6 @@ class Reuse:
     n_reused: int
     source: str
     exact: bool
-    seconds: float = 0.0  # saving and restoring states (the decode of new tokens not included)
 
 
 def reusable(cached: Sequence[int], n_canonical: int, prefill_row: Optional[PrefillRow], tokens: Sequence[int],
@@ -114,7 +113,6 @@ class PromptCache:
             canonical: reuse only what a fresh prefill computes bit for bit.
         """
         rt, chunk = self.runtime, self.runtime.n_batch
-        t0 = time.perf_counter()
         best: Optional[SavedState] = None
         n_best, exact = reusable(rt.cached, rt.n_canonical, rt.prefill_row, tokens, canonical, chunk)
         for state in self.saved:
@@ -127,15 +125,18 @@ class PromptCache:
         source = "live" if n_best else "none"
         if best is not None:
             self.budget.remove(best)  # it becomes the live sequence; saved again when left
-            rt.restore_state(best)
-            self.n_restored += 1
-            source = "saved"
-        seconds = time.perf_counter() - t0
+            try:
+                rt.restore_state(best)
+                self.n_restored += 1
+                source = "saved"
+            except DecodeError as e:  # the context is empty now: prefill from scratch
+                log.warning("%s; prefilling the prompt instead", e)
+                n_best, exact, source = 0, True, "none"
         rt.prefill(tokens, n_best)
         self.n_hits += n_best > 0
         self.n_misses += n_best == 0
         self.n_reused += n_best
-        return Reuse(n_best, source, exact, seconds)
+        return Reuse(n_best, source, exact)
 
     def stash(self) -> None:
         """Save the live sequence before something else takes the context (a measurement)."""

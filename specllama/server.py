@@ -83,6 +83,9 @@ class Metrics:
         self.prompt_cached_tokens = Counter("specllama_prompt_cached_tokens",
                                             "Prompt tokens reused from the prompt cache, not decoded",
                                             registry=self.registry)
+        self.prompt_cache_lookups = Counter("specllama_prompt_cache_lookups",
+                                            "Prefills by where their reused state came from (live, saved, none)",
+                                            ["source"], registry=self.registry)
         self.generated_tokens = Counter("specllama_generated_tokens", "Tokens generated", registry=self.registry)
         self.drafted_tokens = Counter("specllama_drafted_tokens", "Tokens drafted", registry=self.registry)
         self.accepted_tokens = Counter("specllama_accepted_tokens", "Drafted tokens the target accepted",
@@ -94,6 +97,7 @@ class Metrics:
     def record(self, stats: Any) -> None:
         self.prompt_tokens.inc(stats.n_prompt)
         self.prompt_cached_tokens.inc(stats.n_prompt_cached)
+        self.prompt_cache_lookups.labels(stats.prompt_cache).inc()
         self.generated_tokens.inc(stats.n_generated)
         self.drafted_tokens.inc(stats.n_drafted)
         self.accepted_tokens.inc(stats.n_accepted)

@@ -211,3 +211,16 @@ def test_the_byte_budget_is_respected(model_paths):
 def test_prompt_cache_mb_is_checked(model_paths):
     with pytest.raises(specllama.InvalidParameterError, match="prompt_cache_mb"):
         specllama.load(model_paths["target"], prompt_cache_mb=-1, **SETTINGS)
+
+
+def test_a_state_that_cannot_be_restored_falls_back_to_a_prefill(pair, plain):
+    a = pair.chat_tokens(conversation(1)[0])
+    pair.generate(a, max_tokens=4)
+    pair.generate("Unrelated: a haiku about rain.", max_tokens=4)  # A goes to RAM
+    states = [s for s in pair.target_cache.saved if s.tokens[:len(a)] == a]
+    assert states
+    for state in states:
+        state.data = bytearray(state.data[:16])  # cut short: llama_state_seq_set_data refuses it
+    got = pair.generate(a, max_tokens=8)
+    assert got.stats.prompt_cache == "none" and got.stats.n_prompt_cached == 0
+    assert got.tokens == plain.generate(a, max_tokens=8).tokens

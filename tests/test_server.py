@@ -241,5 +241,7 @@ def test_a_second_turn_reuses_the_prompt_cache_and_starts_sooner(server, client)
     assert timings2["prompt_n"] == usage2.prompt_tokens - timings2["cache_n"]
     assert ttft2 < ttft1 and timings2["prompt_ms"] < timings1["prompt_ms"], (seen,)
     text = httpx.get(f"{server[0]}/metrics", headers={"Authorization": f"Bearer {KEY}"}).text
-    assert any(line.startswith("specllama_prompt_cached_tokens_total ") and float(line.split()[1]) > 0
-               for line in text.splitlines())
+    values = {line.split(" ")[0]: float(line.split(" ")[1]) for line in text.splitlines()
+              if line and not line.startswith("#")}
+    assert values["specllama_prompt_cached_tokens_total"] >= usage2.prompt_tokens_details.cached_tokens
+    assert values['specllama_prompt_cache_lookups_total{source="live"}'] >= 1
