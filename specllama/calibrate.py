@@ -154,12 +154,12 @@ def reuse_diffs(target: Runtime, n_past: int) -> float:
         return float(cached["diff"])
     t0 = time.perf_counter()
     diff = probe_reuse_diffs(target, n_past)
+    seconds = time.perf_counter() - t0
     if math.isnan(diff):
         return diff
     log.info("%s at KV length %d: rows on a reused prompt cache differ from a fresh prefill's by %.3g "
-             "(measured in %.1f s)", target.name, kv_length(n_past + 1, target.n_ctx), diff,
-             time.perf_counter() - t0)
-    _store(key, {"diff": diff, "seconds": time.perf_counter() - t0})
+             "(measured in %.1f s)", target.name, kv_length(n_past + 1, target.n_ctx), diff, seconds)
+    _store(key, {"diff": diff, "seconds": seconds})
     return diff
 
 

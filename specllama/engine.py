@@ -95,6 +95,11 @@ class _Request:
     n_draft: Union[int, str]
     level: Level
 
+    @property
+    def seeded(self) -> bool:
+        """Sampling with a seed: the same seed must give the same text, whatever ran before."""
+        return self.seed is not None and not self.sampling.greedy
+
 
 class SpecLlama:
     """A target model, optionally with a draft model that speculates for it.
@@ -335,12 +340,11 @@ class SpecLlama:
     def _proposer_and_policy(self, req: _Request) -> tuple[Optional[Proposer], Any]:
         if not self.speculates or req.n_draft == 0:
             return None, FixedDraft(0)
-        policy = self._policy(req.n_draft, req.level, seeded=req.seed is not None and not req.sampling.greedy,
+        policy = self._policy(req.n_draft, req.level, seeded=req.seeded,
                               greedy=req.sampling.greedy)
         if not (policy.has_draft or policy.lookup):
             return None, FixedDraft(0)
-        seeded = req.seed is not None and not req.sampling.greedy
-        draft = DraftModelProposer(self.draft, self.draft_cache, canonical=seeded) if policy.has_draft else None
+        draft = DraftModelProposer(self.draft, self.draft_cache, canonical=req.seeded) if policy.has_draft else None
         return Proposer(draft, PromptLookupProposer() if policy.lookup or draft is None else None), policy
 
     @contextmanager
@@ -372,8 +376,7 @@ class SpecLlama:
                 # the prompt cache: bitwise and seeded sampling reuse only what a fresh prefill
                 # computes bit for bit; otherwise all that matches, and the rows carry the
                 # measured difference of reuse into the near-tie tolerance
-                seeded = req.seed is not None and not req.sampling.greedy
-                reuse = self.target_cache.prefill(req.prompt, canonical=req.level.bound == 0 or seeded)
+                reuse = self.target_cache.prefill(req.prompt, canonical=req.level.bound == 0 or req.seeded)
                 stats.t_prefill = time.perf_counter() - t_start
                 stats.n_prompt_cached, stats.prompt_cache, stats.prompt_cache_exact = \
                     reuse.n_reused, reuse.source, reuse.exact
