@@ -8,6 +8,7 @@
 from .engine import Chunk, Result, SpecLlama, Stream, load
 from .errors import (
     BusyError,
+    ConstraintError,
     ContextFullError,
     DecodeError,
     EmptyPromptError,
@@ -25,7 +26,7 @@ from .stats import Stats
 __version__ = "0.1.0"
 
 __all__ = [
-    "BusyError", "Chunk", "ContextFullError", "DecodeError", "EmptyPromptError",
+    "BusyError", "Chunk", "ConstraintError", "ContextFullError", "DecodeError", "EmptyPromptError",
     "IncompatibleDraftError", "InvalidModelFileError", "InvalidParameterError", "MemoryPlanError",
     "ModelNotFoundError", "PromptTooLongError", "Result", "SamplingSettings", "SpecLlama",
     "SpecLlamaError", "Stats", "Stream", "load",

@@ -14,20 +14,26 @@ from typing import Any, Optional
 
 import numpy as np
 
+from .constraints import Constraint
 from .fidelity import Limits, near_tie, top_gap
 from .proposers import EMPTY, Proposal, Proposer
 from .runtime import Runtime
-from .sampling import SamplingSettings, distribution, greedy
+from .sampling import SamplingSettings, _top_candidates, distribution, greedy
 from .stats import Stats
 from .verify import greedy_verify, speculative_verify
 
 
 @dataclass(frozen=True)
 class Step:
-    """Tokens accepted by one target pass; the first n_from_draft of them were drafted."""
+    """Tokens accepted by one target pass; the first n_from_draft of them were drafted.
+
+    logprobs (when asked for): per token, its log-probability under the target's raw row and
+    that row's n most likely (token, log-probability) pairs.
+    """
 
     tokens: list[int]
     n_from_draft: int
+    logprobs: Optional[list[tuple[float, list[tuple[int, float]]]]] = None
 
 
 def generate_steps(
@@ -39,6 +45,8 @@ def generate_steps(
     policy: Any,
     limits: Limits,
     stats: Stats,
+    constraint: Optional[Constraint] = None,
+    n_logprobs: Optional[int] = None,
 ) -> Iterator[Step]:
     """Yield the accepted tokens round by round, forever or until the context is full.
 
@@ -48,18 +56,22 @@ def generate_steps(
 
     The target's KV cache always holds tokens[:-1]: the newest token is fed as the first
     row of the next verify batch.
+
+    constraint (a grammar, logit bias, penalties) shapes every row before its token is chosen
+    and follows the accepted tokens; n_logprobs asks each Step for logprobs with that many
+    alternatives (0: the chosen token's only).
     """
     tokens = list(prompt)
     t_start = time.perf_counter()
     # 0. the first token comes from the prefill's last row; on a reused cache that row may be a
     # near-tie, judged once the first round knows the tolerance
-    n_accepted, next_token = _verify(target, EMPTY, sampling, rng)
-    first_gap = top_gap(target.logits(0)) if sampling.greedy and limits.reuse is not None else None
+    n_accepted, next_token, rows = _verify(target, EMPTY, sampling, rng, constraint)
+    first_gap = top_gap(rows[0]) if sampling.greedy and limits.reuse is not None else None
     stats.t_prefill += time.perf_counter() - t_start
     tokens.append(next_token)
     if proposer is not None:  # the draft model prefills when a round first drafts with it
         proposer.prefill(prompt)
-    yield Step([next_token], 0)
+    yield Step([next_token], 0, _logprobs(target, [next_token], n_logprobs))
     try:
         while len(tokens) <= target.n_ctx:
             n_past = len(tokens) - 1
@@ -73,25 +85,34 @@ def generate_steps(
             source, n_draft, proposal, offer = "none", 0, EMPTY, []
             if proposer is not None:
                 k_cap = min(target.n_ctx - len(tokens), n_verify_max - 1)
-                n_match, offer = proposer.lookup_offer(tokens, k_cap)
-                source, n_draft = policy.plan(k_cap, n_match, len(offer))
-            if n_draft > 0:
-                proposal = proposer.propose(tokens, source, n_draft, sampling, rng, policy.draft_more)
+                # tokens the grammar forces cost nothing to propose: they make the round alone
+                forced = constraint.forced(k_cap) if constraint is not None else []
+                if forced:
+                    source, n_draft, proposal = "grammar", len(forced), Proposal(forced)
+                else:
+                    n_match, offer = proposer.lookup_offer(tokens, k_cap)
+                    source, n_draft = policy.plan(k_cap, n_match, len(offer))
+                if n_draft > 0 and not forced:
+                    proposal = proposer.propose(tokens, source, n_draft, sampling, rng, policy.draft_more,
+                                                constraint)
+                    if constraint is not None:  # a token the grammar forbids is never accepted
+                        proposal = _within(proposal, constraint.n_valid(proposal.tokens))
             t2 = time.perf_counter()
             # 3. verify: one target pass over [newest token, x_1..x_k], logits for all k+1 rows
             target.decode([tokens[-1], *proposal.tokens], n_logits=len(proposal.tokens) + 1)
             t3 = time.perf_counter()
             # 4. accept the agreeing prefix plus one target token
-            n_accepted, next_token = _verify(target, proposal, sampling, rng)
+            n_accepted, next_token, rows = _verify(target, proposal, sampling, rng, constraint)
             if first_gap is not None:
                 _judge_first_row(first_gap, limits.tolerance(n_past, 1), stats)
                 first_gap = None
             if sampling.greedy and (proposer is not None or limits.reuse is not None):
-                _count_near_ties(target, n_accepted + 1, limits.tolerance(n_past, len(proposal.tokens) + 1),
+                _count_near_ties(rows, limits.tolerance(n_past, len(proposal.tokens) + 1),
                                  len(tokens) - len(prompt), stats)
+            new = [*proposal.tokens[:n_accepted], next_token]
+            step = Step(new, n_accepted, _logprobs(target, new, n_logprobs))
             # 5. roll the target back to what was accepted
             target.truncate(n_past + 1 + n_accepted)
-            new = [*proposal.tokens[:n_accepted], next_token]
             tokens.extend(new)
             stats.t_calibrate += t1 - t0
             stats.t_draft += t2 - t1
@@ -99,7 +120,7 @@ def generate_steps(
             stats.record_round(len(proposal.tokens), n_accepted, source)
             if proposer is not None:
                 policy.observe(source, proposal, new, t3 - t2, offer, sampling.greedy)
-            yield Step(new, n_accepted)
+            yield step
     finally:
         # interrupted between verify and rollback: drop the unverified rows
         target.truncate(len(tokens) - 1)
@@ -117,21 +138,63 @@ def _judge_first_row(gap: float, tolerance: float, stats: Stats) -> None:
         stats.near_tie_positions.insert(0, 0)
 
 
-def _count_near_ties(target: Runtime, n_rows: int, tolerance: float, n_generated: int, stats: Stats) -> None:
+def _count_near_ties(rows: list[np.ndarray], tolerance: float, n_generated: int, stats: Stats) -> None:
     """Record the accepted rows whose top two logits are within tolerance: the only places
     where plain decoding could have chosen another token."""
     if math.isnan(tolerance):  # this level measured nothing, so nothing can be judged
         stats.near_ties = None
         return
-    for i in range(n_rows):
-        if near_tie(target.logits(i), tolerance):
+    for i, row in enumerate(rows):
+        if near_tie(row, tolerance):
             stats.near_tie_positions.append(n_generated + i)
 
 
-def _verify(target: Runtime, proposal: Proposal, sampling: SamplingSettings,
-            rng: np.random.Generator) -> tuple[int, int]:
-    rows = (target.logits(i) for i in range(len(proposal.tokens) + 1))
+def _verify(target: Runtime, proposal: Proposal, sampling: SamplingSettings, rng: np.random.Generator,
+            constraint: Optional[Constraint]) -> tuple[int, int, list[np.ndarray]]:
+    """(n_accepted, next_token, the rows the verifier read, as tokens were chosen from them).
+
+    Under a constraint, row i is shaped after x_1..x_{i-1}: the verifier asks for row i only
+    once it has accepted x_{i-1}, which the constraint then consumes; the round's last token
+    is consumed last, so the constraint ends holding exactly the accepted tokens.
+    """
+    seen: list[np.ndarray] = []
+
+    def rows() -> Iterator[np.ndarray]:
+        for i in range(len(proposal.tokens) + 1):
+            if i > 0 and constraint is not None:
+                constraint.accept(proposal.tokens[i - 1])  # the verifier accepted it
+            row = target.logits(i)
+            seen.append(row if constraint is None else constraint.apply(row))
+            yield seen[-1]
+
     if sampling.greedy:
-        return greedy_verify(proposal.tokens, (greedy(row) for row in rows))
-    q = proposal.q if proposal.q is not None else [None] * len(proposal.tokens)
-    return speculative_verify(proposal.tokens, q, (distribution(row, sampling) for row in rows), rng)
+        n_accepted, next_token = greedy_verify(proposal.tokens, (greedy(row) for row in rows()))
+    else:
+        q = proposal.q if proposal.q is not None else [None] * len(proposal.tokens)
+        n_accepted, next_token = speculative_verify(proposal.tokens, q,
+                                                    (distribution(row, sampling) for row in rows()), rng)
+    if constraint is not None:
+        constraint.accept(next_token)
+    return n_accepted, next_token, seen
+
+
+def _within(proposal: Proposal, n: int) -> Proposal:
+    """The proposal's first n tokens."""
+    if n >= len(proposal.tokens):
+        return proposal
+    return Proposal(proposal.tokens[:n], proposal.q[:n] if proposal.q is not None else None,
+                    proposal.confidence[:n])
+
+
+def _logprobs(target: Runtime, tokens: list[int], n_top: Optional[int]) -> Optional[list]:
+    """Each token's log-probability in its row of the last decode, with the row's top n_top."""
+    if n_top is None:
+        return None
+    out = []
+    for i, token in enumerate(tokens):  # token i was chosen from row i
+        row = target.logits(i).astype(np.float64)
+        m = row.max()
+        logp = row - (m + math.log(np.exp(row - m).sum()))
+        top = _top_candidates(logp, n_top) if n_top else []
+        out.append((float(logp[token]), [(int(t), float(logp[t])) for t in top]))
+    return out

@@ -17,6 +17,7 @@ import numpy as np
 from .calibrate import batch_diffs, costs as measured_costs, reuse_diffs
 from .compat import VocabInfo, check_compatible
 from .completions import Completion, check_supported, generate_options
+from .constraints import Constraint, Grammar, Penalties, check_logit_bias, grammar_source
 from .decode import generate_steps
 from .doctor import offload_note
 from .errors import BusyError, EmptyPromptError, InvalidParameterError, PromptTooLongError
@@ -48,6 +49,8 @@ class Chunk:
     text: str
     tokens: list[int]
     from_draft: list[bool]
+    # with logprobs asked for: per token, (its logprob, [(token, logprob), ...] top alternatives)
+    logprobs: Optional[list[tuple[float, list[tuple[int, float]]]]] = None
 
 
 @dataclass
@@ -94,6 +97,8 @@ class _Request:
     stop: tuple[str, ...]
     n_draft: Union[int, str]
     level: Level
+    constraint: Optional[Constraint] = None  # this request's own: its state follows the text
+    n_logprobs: Optional[int] = None
 
     @property
     def seeded(self) -> bool:
@@ -299,7 +304,10 @@ class SpecLlama:
     def _request(self, prompt: list[int], *, max_tokens: int = 256, temperature: float = 0.0,
                  top_k: int = 40, top_p: float = 0.95, min_p: float = 0.05, seed: Optional[int] = None,
                  stop: Union[None, str, Sequence[str]] = None,
-                 n_draft: Union[None, int, str] = None, exact: Union[None, str, float, bool] = None) -> _Request:
+                 n_draft: Union[None, int, str] = None, exact: Union[None, str, float, bool] = None,
+                 grammar: Any = None, json_schema: Any = None, logit_bias: Optional[dict] = None,
+                 repeat_penalty: float = 1.0, frequency_penalty: float = 0.0, presence_penalty: float = 0.0,
+                 penalty_last_n: int = 64, logprobs: Optional[int] = None) -> _Request:
         if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
             raise InvalidParameterError("max_tokens", max_tokens, "an integer >= 1")
         if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or seed < 0):
@@ -307,10 +315,29 @@ class SpecLlama:
         stops = (stop,) if isinstance(stop, str) else tuple(stop or ())
         if not all(isinstance(s, str) and s for s in stops):
             raise InvalidParameterError("stop", stop, "a non-empty string or a list of non-empty strings")
+        if logprobs is not None and (isinstance(logprobs, bool) or not isinstance(logprobs, int)
+                                     or not 0 <= logprobs <= 20):
+            raise InvalidParameterError("logprobs", logprobs, "None, or 0..20 alternatives per token")
         sampling = SamplingSettings(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p)
         n_draft = self.n_draft if n_draft is None else _check_n_draft(n_draft)
         level = self.level if exact is None else parse_level(exact)
-        return _Request(prompt, sampling, max_tokens, seed, stops, n_draft, level)
+        constraint = self._constraint(grammar, json_schema, logit_bias,
+                                      Penalties(repeat_penalty, frequency_penalty, presence_penalty, penalty_last_n))
+        return _Request(prompt, sampling, max_tokens, seed, stops, n_draft, level, constraint, logprobs)
+
+    def _constraint(self, grammar: Any, json_schema: Any, logit_bias: Optional[dict],
+                    penalties: Penalties) -> Optional[Constraint]:
+        source = grammar_source(grammar, json_schema)
+        parsed = None
+        if source is not None:
+            tokenizer = getattr(self.target, "grammar_tokenizer", None)
+            if tokenizer is None:
+                raise InvalidParameterError("grammar" if grammar is not None else "json_schema", "...",
+                                            "used with a target on this machine (not yet with RPC workers)")
+            parsed = Grammar(tokenizer(), source, "grammar" if grammar is not None else "json_schema")
+        constraint = Constraint(self.target.n_vocab, logit_bias=check_logit_bias(logit_bias, self.target.n_vocab),
+                                penalties=penalties, grammar=parsed)
+        return constraint if constraint.active else None
 
     def _policy(self, n_draft: Union[int, str], level: Level, seeded: bool, greedy: bool) -> Any:
         # first-use measurements decode probe text from position 0: keep the conversations first
@@ -338,12 +365,15 @@ class SpecLlama:
                           acceptance=acceptance)
 
     def _proposer_and_policy(self, req: _Request) -> tuple[Optional[Proposer], Any]:
+        # a grammar's forced tokens are a source even where nothing else proposes
+        forced = Proposer(None, None) if req.constraint is not None and req.constraint.grammar is not None \
+            and req.n_draft != 0 else None
         if not self.speculates or req.n_draft == 0:
-            return None, FixedDraft(0)
+            return forced, FixedDraft(0)
         policy = self._policy(req.n_draft, req.level, seeded=req.seeded,
                               greedy=req.sampling.greedy)
         if not (policy.has_draft or policy.lookup):
-            return None, FixedDraft(0)
+            return forced, FixedDraft(0)
         draft = DraftModelProposer(self.draft, self.draft_cache, canonical=req.seeded) if policy.has_draft else None
         return Proposer(draft, PromptLookupProposer() if policy.lookup or draft is None else None), policy
 
@@ -383,16 +413,16 @@ class SpecLlama:
                 if not reuse.exact:
                     limits.reuse = self.reuse_diffs
                 steps = generate_steps(self.target, proposer, req.sampling, np.random.default_rng(req.seed),
-                                       req.prompt, policy, limits, stats)
+                                       req.prompt, policy, limits, stats, req.constraint, req.n_logprobs)
                 finish = "length"  # running out of context also ends here
-                for token, from_draft in _accepted_tokens(steps):
+                for token, from_draft, logprob in _accepted_tokens(steps):
                     if self.target.is_eog(token):
                         finish = "stop"
                         break
                     tokens.append(token)
                     text = matcher.feed(detokenizer.feed(self.target.piece(token)))
                     texts.append(text)
-                    yield Chunk(text, [token], [from_draft])
+                    yield Chunk(text, [token], [from_draft], None if logprob is None else [logprob])
                     if matcher.stopped:
                         finish = "stop"
                         break
@@ -410,6 +440,8 @@ class SpecLlama:
                     steps.close()
                 stats.n_generated = len(tokens)
                 stats.verify_limits = limits.used
+                if req.constraint is not None:
+                    stats.n_constrained_rows, stats.t_constraint = req.constraint.n_rows, req.constraint.seconds
                 stats.controller = policy.as_dict()
                 _keep_near_ties(stats, len(tokens) + (finish == "stop" and not matcher.stopped), req.sampling)
                 stats.t_total = time.perf_counter() - t_start
@@ -442,11 +474,11 @@ def _keep_near_ties(stats: Stats, n_decided: int, sampling: SamplingSettings) ->
         stats.near_ties = len(stats.near_tie_positions)
 
 
-def _accepted_tokens(steps: Iterator[Any]) -> Iterator[tuple[int, bool]]:
-    """(token, came from the draft) for every token the rounds accept, in order."""
+def _accepted_tokens(steps: Iterator[Any]) -> Iterator[tuple[int, bool, Any]]:
+    """(token, came from the draft, its logprobs or None) for every token the rounds accept."""
     for step in steps:
         for i, token in enumerate(step.tokens):
-            yield token, i < step.n_from_draft
+            yield token, i < step.n_from_draft, None if step.logprobs is None else step.logprobs[i]
 
 
 def _check_cache_mb(value: Any) -> int:

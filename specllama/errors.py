@@ -55,3 +55,7 @@ class RpcError(SpecLlamaError):
     def __init__(self, message: str, endpoints: tuple[str, ...] = ()):
         super().__init__(message)
         self.endpoints = endpoints  # the workers the error is about, where known
+
+
+class ConstraintError(SpecLlamaError):
+    """A grammar reached a state it cannot leave (a token it forbids was forced on it)."""

@@ -8,6 +8,7 @@ from typing import NamedTuple, Optional
 
 import numpy as np
 
+from .constraints import Constraint
 from .prompt_cache import PromptCache
 from .runtime import Runtime
 from .sampling import Dist, SamplingSettings, distribution, greedy, sample
@@ -66,36 +67,48 @@ class DraftModelProposer:
         self.t_prefill = time.perf_counter() - t0
 
     def propose(self, tokens: Sequence[int], n_draft: int, sampling: SamplingSettings,
-                rng: np.random.Generator, draft_more: DraftMore) -> Proposal:
+                rng: np.random.Generator, draft_more: DraftMore,
+                constraint: Optional[Constraint] = None) -> Proposal:
+        """Draft up to n_draft tokens after tokens; under a constraint, from rows shaped as the
+        target's will be (its state is explored and rolled back)."""
         if self._prompt is not None:
             self._prefill_now()
         n_draft = min(n_draft, self.draft.n_ctx - len(tokens) + 1)
         if n_draft <= 0:
             return EMPTY
         self.draft.sync(tokens)
+        n_history = len(constraint.history) if constraint is not None else 0
         drafted: list[int] = []
         q: list[Optional[Dist]] = []
         confidence: list[float] = []
-        for i in range(n_draft):
-            row = self.draft.logits(0)
-            if sampling.greedy:
-                x = greedy(row)
-                confidence.append(_top_probability(row))
-            else:
-                q_i = distribution(row, sampling)
-                x = sample(q_i, rng)
-                q.append(q_i)
-                confidence.append(q_i.prob(x))
-            decision = draft_more(confidence)
-            if decision == "drop":
-                dropped = (x, confidence.pop())
-                del q[len(drafted):]
-                return Proposal(drafted, q or None, confidence, dropped)
-            drafted.append(x)
-            if decision == "stop" or i + 1 == n_draft:
-                break
-            self.draft.decode([x])
-        return Proposal(drafted, q or None, confidence)
+        try:
+            for i in range(n_draft):
+                row = self.draft.logits(0)
+                if constraint is not None:
+                    row = constraint.apply(row)
+                if sampling.greedy:
+                    x = greedy(row)
+                    confidence.append(_top_probability(row))
+                else:
+                    q_i = distribution(row, sampling)
+                    x = sample(q_i, rng)
+                    q.append(q_i)
+                    confidence.append(q_i.prob(x))
+                decision = draft_more(confidence)
+                if decision == "drop":
+                    dropped = (x, confidence.pop())
+                    del q[len(drafted):]
+                    return Proposal(drafted, q or None, confidence, dropped)
+                drafted.append(x)
+                if decision == "stop" or i + 1 == n_draft:
+                    break
+                if constraint is not None:  # the next row is shaped after x
+                    constraint.accept(x)
+                self.draft.decode([x])
+            return Proposal(drafted, q or None, confidence)
+        finally:
+            if constraint is not None:  # the constraint follows accepted tokens only
+                constraint.rollback(len(constraint.history) - n_history)
 
 
 def _top_probability(row: np.ndarray) -> float:
@@ -175,9 +188,10 @@ class Proposer:
         return (n, list(tokens[start:start + n_max])) if n else (0, [])
 
     def propose(self, tokens: Sequence[int], source: str, n_draft: int, sampling: SamplingSettings,
-                rng: np.random.Generator, draft_more: DraftMore) -> Proposal:
+                rng: np.random.Generator, draft_more: DraftMore,
+                constraint: Optional[Constraint] = None) -> Proposal:
         if source == "draft" and self.draft is not None:
-            return self.draft.propose(tokens, n_draft, sampling, rng, draft_more)
+            return self.draft.propose(tokens, n_draft, sampling, rng, draft_more, constraint)
         if source == "lookup" and self.lookup is not None:
             return self.lookup.propose(tokens, n_draft, sampling, rng)
         return EMPTY

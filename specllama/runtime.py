@@ -9,6 +9,7 @@ by reusing the longest cached prefix.
 from __future__ import annotations
 
 import ctypes
+import warnings
 import os
 import socket
 import sys
@@ -442,6 +443,7 @@ class Runtime:
         self._batch = _Batch(self.n_batch, stack)
         self._n_rows = 0  # logit rows requested by the last decode
         self._pieces: dict[int, bytes] = {}
+        self._grammar_tokenizer: Any = None
         self.cached: list[int] = []  # exactly the tokens at positions 0.. of the KV cache
         # the first n_canonical cached tokens hold exactly what a fresh prefill of them computes:
         # they were prefilled in chunks of n_batch aligned to position 0, on a canonical prefix
@@ -519,6 +521,18 @@ class Runtime:
                 n = llama_cpp.llama_token_to_piece(self._vocab, token, buf, -n, 0, False)
             cached = self._pieces[token] = buf.raw[:n]
         return cached
+
+    def grammar_tokenizer(self) -> Any:
+        """This vocabulary as an llguidance tokenizer (built once: about a second for 150k
+        tokens), with every end-of-generation token as its EOS."""
+        if self._grammar_tokenizer is None:
+            import llguidance.llamacpp
+
+            eog = [t for t in range(self.n_vocab) if self.is_eog(t)] or [self.eos]
+            with warnings.catch_warnings():  # it reads token attributes with a deprecated binding
+                warnings.simplefilter("ignore", DeprecationWarning)
+                self._grammar_tokenizer = llguidance.llamacpp.lltokenizer_from_vocab(self._vocab, eos_token=eog)
+        return self._grammar_tokenizer
 
     def token_text(self, token: int) -> bytes:
         return llama_cpp.llama_vocab_get_text(self._vocab, token) or b""

@@ -14,6 +14,10 @@ class Stats:
     n_draft_max: int = 0  # the most tokens a round could draft (after the exact-mode cap)
     n_plain_rounds: int = 0  # rounds that drafted nothing (the controller found no gain)
     n_lookup_rounds: int = 0  # rounds whose drafts came from prompt lookup
+    n_grammar_rounds: int = 0  # rounds that proposed the tokens a grammar forces
+    n_forced_accepted: int = 0  # of those tokens, the ones the target accepted
+    n_constrained_rows: int = 0  # target and draft rows shaped by a constraint
+    t_constraint: float = 0.0  # shaping them and advancing the grammar (inside t_draft and t_verify)
     n_generated: int = 0
     n_rounds: int = 0  # target verify passes after the prompt (plain decoding: one per token)
     n_drafted: int = 0
@@ -52,6 +56,9 @@ class Stats:
         self.n_rounds += 1
         self.n_plain_rounds += n_drafted == 0
         self.n_lookup_rounds += n_drafted > 0 and source == "lookup"
+        if source == "grammar":
+            self.n_grammar_rounds += 1
+            self.n_forced_accepted += n_accepted
         self.n_drafted += n_drafted
         self.n_accepted += n_accepted
         for counts, n in ((self.drafted_at, n_drafted), (self.accepted_at, n_accepted)):
@@ -109,6 +116,11 @@ class Stats:
         if self.n_drafted:
             line += (f", acceptance {self.acceptance_rate:.0%} ({self.n_accepted}/{self.n_drafted}), "
                      f"{self.tokens_per_round:.2f} tokens/round, up to {self.n_draft_max} drafted")
+        if self.n_grammar_rounds:
+            line += f", grammar forced {self.n_forced_accepted} tokens in {self.n_grammar_rounds} rounds"
+        if self.n_constrained_rows:
+            line += (f", constraint {self.t_constraint * 1e3 / self.n_constrained_rows:.2f} ms/row "
+                     f"over {self.n_constrained_rows} rows")
         if self.near_ties:
             line += f", {self.near_ties} near-ties"
         if self.t_calibrate >= 0.01:
