@@ -87,12 +87,21 @@ def check_logit_bias(logit_bias: Any, n_vocab: int) -> dict[int, float]:
     return out
 
 
+@dataclass(frozen=True)
+class Lark:
+    """A grammar in llguidance's Lark dialect (special tokens as <[id]>), as tool calls build."""
+
+    text: str
+
+
 def grammar_source(grammar: Any = None, json_schema: Any = None) -> Optional[str]:
     """The llguidance grammar for a GBNF or Lark text (or a llama_cpp.LlamaGrammar) or a JSON
     schema (a dict or its JSON text; {"type": "object"} for any JSON object). Not yet checked
     against a vocabulary: Grammar() does that."""
     if grammar is not None and json_schema is not None:
         raise InvalidParameterError("grammar", "...", "either a grammar or a JSON schema, not both")
+    if isinstance(grammar, Lark):
+        return llguidance.LLMatcher.grammar_from_lark(grammar.text)
     if grammar is not None:
         text = getattr(grammar, "_grammar", grammar)  # a LlamaGrammar keeps its GBNF text
         if not isinstance(text, str) or not text.strip():

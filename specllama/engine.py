@@ -16,7 +16,7 @@ import numpy as np
 
 from .calibrate import batch_diffs, costs as measured_costs, reuse_diffs
 from .compat import VocabInfo, check_compatible
-from .completions import Completion, check_supported, generate_options
+from .completions import Completion, chat_logprobs, check_supported, generate_options, shaping_options, tool_setup
 from .constraints import Constraint, Grammar, Penalties, check_logit_bias, grammar_source
 from .decode import generate_steps
 from .doctor import offload_note
@@ -31,6 +31,7 @@ from .runtime import ModelSettings, Runtime, open_runtime, resident_bytes, suppo
 from .sampling import SamplingSettings
 from .stats import Stats
 from .text import Detokenizer, StopMatcher
+from .tools import template_messages
 
 log = logging.getLogger("specllama")
 
@@ -211,11 +212,12 @@ class SpecLlama:
         """stream() on messages rendered with the target's chat template."""
         return self.stream(self.chat_tokens(messages), **options)
 
-    def chat_tokens(self, messages: list[dict]) -> list[int]:
-        """Token ids of messages rendered with the target's chat template, ready to generate."""
+    def chat_tokens(self, messages: list[dict], tools: Optional[list[dict]] = None) -> list[int]:
+        """Token ids of messages (and tools, for templates that render them) rendered with the
+        target's chat template, ready to generate."""
         if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
             raise InvalidParameterError("messages", messages, "a list of {'role': ..., 'content': ...} dicts")
-        text = self.target.apply_chat_template(messages)
+        text = self.target.apply_chat_template(template_messages(messages), tools=tools)
         bos_text = self.target.token_text(self.target.bos).decode("utf-8", "replace")
         add_bos = not (bos_text and text.startswith(bos_text))
         return self.target.tokenize(text, add_special=add_bos, parse_special=True)
@@ -223,32 +225,56 @@ class SpecLlama:
     def create_completion(self, prompt: Prompt, max_tokens: Optional[int] = 16, temperature: float = 0.8,
                           top_p: float = 0.95, min_p: float = 0.05, stop: Union[None, str, list[str]] = None,
                           top_k: int = 40, stream: bool = False, seed: Optional[int] = None,
-                          n_draft: Union[None, int, str] = None, **unsupported: Any) -> Any:
+                          logprobs: Optional[int] = None, frequency_penalty: float = 0.0,
+                          presence_penalty: float = 0.0, repeat_penalty: float = 1.0, grammar: Any = None,
+                          logit_bias: Optional[dict] = None, n_draft: Union[None, int, str] = None,
+                          **unsupported: Any) -> Any:
         """llama_cpp.Llama.create_completion: a text_completion dict, or its chunks if stream.
 
-        Same defaults and shapes as llama-cpp-python 0.3.36; n_draft is specllama's own.
-        Grammars, logit biases, penalties, mirostat and logprobs raise InvalidParameterError.
+        Same defaults and shapes as llama-cpp-python 0.3.36; n_draft is specllama's own. The
+        grammar (GBNF text or a LlamaGrammar), logit_bias, penalties and logprobs are applied
+        in verification; suffix, echo, typical_p, mirostat and logits processors raise
+        InvalidParameterError.
         """
         check_supported(unsupported)
         tokens = self._prompt_tokens(prompt)
-        return self._complete(tokens, False, max_tokens, stream, temperature=temperature, top_p=top_p,
-                              min_p=min_p, top_k=top_k, stop=stop, seed=seed, n_draft=n_draft)
+        shaping = shaping_options(grammar=grammar, logit_bias=logit_bias, repeat_penalty=repeat_penalty,
+                                  frequency_penalty=frequency_penalty, presence_penalty=presence_penalty,
+                                  logprobs=logprobs)
+        return self._complete(tokens, False, max_tokens, stream, None, temperature=temperature, top_p=top_p,
+                              min_p=min_p, top_k=top_k, stop=stop, seed=seed, n_draft=n_draft, **shaping)
 
     __call__ = create_completion
 
     def create_chat_completion(self, messages: list[dict], max_tokens: Optional[int] = None,
                                temperature: float = 0.2, top_p: float = 0.95, min_p: float = 0.05,
                                stop: Union[None, str, list[str]] = None, top_k: int = 40, stream: bool = False,
-                               seed: Optional[int] = None, n_draft: Union[None, int, str] = None,
+                               seed: Optional[int] = None, tools: Optional[list[dict]] = None,
+                               tool_choice: Any = None, parallel_tool_calls: Optional[bool] = None,
+                               response_format: Optional[dict] = None, logprobs: Optional[bool] = None,
+                               top_logprobs: Optional[int] = None, frequency_penalty: float = 0.0,
+                               presence_penalty: float = 0.0, repeat_penalty: float = 1.0, grammar: Any = None,
+                               logit_bias: Optional[dict] = None, n_draft: Union[None, int, str] = None,
                                **unsupported: Any) -> Any:
         """llama_cpp.Llama.create_chat_completion with the GGUF's chat template: a
-        chat.completion dict, or chat.completion.chunk dicts if stream."""
-        check_supported(unsupported)
-        return self._complete(self.chat_tokens(messages), True, max_tokens, stream, temperature=temperature,
-                              top_p=top_p, min_p=min_p, top_k=top_k, stop=stop, seed=seed, n_draft=n_draft)
+        chat.completion dict, or chat.completion.chunk dicts if stream.
 
-    def _complete(self, tokens: list[int], chat: bool, max_tokens: Optional[int], stream: bool, **options: Any) -> Any:
-        completion = Completion(self, tokens, chat=chat, model=self.target.name,
+        tools are rendered by the template and calls parsed into tool_calls (finish_reason
+        "tool_calls"); tool_choice "required" or a named function constrains the output to a
+        valid call. response_format, grammar, logit_bias, penalties and logprobs apply in
+        verification, so greedy output is plain decoding's under the same constraint.
+        """
+        check_supported(unsupported)
+        tokens, tool_format, grammar = tool_setup(self, messages, tools, tool_choice, parallel_tool_calls, grammar)
+        shaping = shaping_options(grammar=grammar, response_format=response_format, logit_bias=logit_bias,
+                                  repeat_penalty=repeat_penalty, frequency_penalty=frequency_penalty,
+                                  presence_penalty=presence_penalty, logprobs=chat_logprobs(logprobs, top_logprobs))
+        return self._complete(tokens, True, max_tokens, stream, tool_format, temperature=temperature,
+                              top_p=top_p, min_p=min_p, top_k=top_k, stop=stop, seed=seed, n_draft=n_draft, **shaping)
+
+    def _complete(self, tokens: list[int], chat: bool, max_tokens: Optional[int], stream: bool,
+                  tool_format: Any, **options: Any) -> Any:
+        completion = Completion(self, tokens, chat=chat, model=self.target.name, tool_format=tool_format,
                                 **generate_options(max_tokens, len(tokens), self.target.n_ctx, **options))
         return completion.chunks() if stream else completion.response()
 

@@ -307,8 +307,10 @@ class RemoteRuntime:
     def chat_template(self) -> Optional[str]:
         return self._chat_template
 
-    def apply_chat_template(self, messages: list[dict], *, add_generation_prompt: bool = True) -> str:
-        return self._call("call", "apply_chat_template", (messages,), {"add_generation_prompt": add_generation_prompt})
+    def apply_chat_template(self, messages: list[dict], *, add_generation_prompt: bool = True,
+                            tools: Optional[list[dict]] = None) -> str:
+        return self._call("call", "apply_chat_template", (messages,),
+                          {"add_generation_prompt": add_generation_prompt, "tools": tools})
 
     def meta(self, key: str) -> Optional[str]:
         return self._call("call", "meta", (key,), {})

@@ -564,8 +564,10 @@ class Runtime:
         template = llama_cpp.llama_model_chat_template(self._model, None)
         return template.decode("utf-8") if template else None
 
-    def apply_chat_template(self, messages: list[dict], *, add_generation_prompt: bool = True) -> str:
-        """Render messages with the chat template stored in the GGUF (jinja, as transformers does)."""
+    def apply_chat_template(self, messages: list[dict], *, add_generation_prompt: bool = True,
+                            tools: Optional[list[dict]] = None) -> str:
+        """Render messages (and tools, as the template's `tools` variable) with the chat template
+        stored in the GGUF (jinja, as transformers does)."""
         from llama_cpp.llama_chat_format import Jinja2ChatFormatter
 
         template = self.chat_template()
@@ -578,7 +580,7 @@ class Runtime:
             bos_token=self.token_text(self.bos).decode("utf-8", errors="replace"),
             add_generation_prompt=add_generation_prompt,
         )
-        return formatter(messages=messages).prompt
+        return formatter(messages=messages, tools=tools).prompt
 
     def meta(self, key: str) -> Optional[str]:
         buf = ctypes.create_string_buffer(512)

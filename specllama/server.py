@@ -26,7 +26,8 @@ from pydantic import BaseModel, ConfigDict, Field
 from sse_starlette.sse import EventSourceResponse
 from starlette.concurrency import run_in_threadpool
 
-from .completions import IGNORED, NEUTRAL, Completion, check_supported, generate_options, timings
+from .completions import (IGNORED, NEUTRAL, Completion, chat_logprobs, check_supported, generate_options,
+                          shaping_options, timings, tool_setup)
 from .errors import InvalidParameterError, PromptTooLongError, SpecLlamaError
 
 log = logging.getLogger("specllama")
@@ -48,16 +49,30 @@ class _Body(BaseModel):
     stream_options: Optional[dict] = None
     n_draft: Union[None, int, str] = None
     speculative: bool = True
+    # applied in verification (constraints.py): greedy output stays plain decoding's under them
+    response_format: Optional[dict] = None
+    grammar: Optional[str] = None  # GBNF, as llama.cpp's server takes it
+    json_schema: Optional[dict] = None  # llama.cpp's server field
+    logit_bias: Optional[dict[str, float]] = None
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    repeat_penalty: float = 1.0
 
 
 class CompletionBody(_Body):
     prompt: Union[str, list[int]]
     max_tokens: Optional[int] = 16
+    logprobs: Optional[int] = None
 
 
 class ChatBody(_Body):
     messages: list[dict] = Field(min_length=1)
     max_completion_tokens: Optional[int] = None
+    tools: Optional[list[dict]] = None
+    tool_choice: Union[None, str, dict] = None
+    parallel_tool_calls: Optional[bool] = None
+    logprobs: Optional[bool] = None
+    top_logprobs: Optional[int] = None
 
 
 class ApiError(Exception):
@@ -202,16 +217,29 @@ def create_app(load: Callable[[], Any], model_id: str, api_key: Optional[str] = 
         unknown = sorted(set(body.model_extra or {}) - set(extra) - {"max_completion_tokens"})
         try:
             check_supported(extra)
+            grammar, tool_format = body.grammar, None
+            if body.json_schema is not None:
+                if body.response_format is not None or grammar is not None:
+                    raise InvalidParameterError("json_schema", "...", "left out when response_format or a grammar "
+                                                "is given")
+                body.response_format = {"type": "json_schema", "json_schema": {"schema": body.json_schema}}
             if chat:
-                tokens = llm.chat_tokens(body.messages)
+                tokens, tool_format, grammar = tool_setup(llm, body.messages, body.tools, body.tool_choice,
+                                                          body.parallel_tool_calls, grammar)
                 max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+                n_logprobs = chat_logprobs(body.logprobs, body.top_logprobs)
             else:
                 tokens = llm._prompt_tokens(body.prompt)
-                max_tokens = body.max_tokens
+                max_tokens, n_logprobs = body.max_tokens, body.logprobs
+            shaping = shaping_options(grammar=grammar, response_format=body.response_format,
+                                      logit_bias=body.logit_bias, repeat_penalty=body.repeat_penalty,
+                                      frequency_penalty=body.frequency_penalty,
+                                      presence_penalty=body.presence_penalty, logprobs=n_logprobs)
             options = generate_options(max_tokens, len(tokens), llm.target.n_ctx, temperature=body.temperature,
                                        top_p=body.top_p, min_p=body.min_p, top_k=body.top_k, stop=body.stop,
-                                       seed=body.seed, n_draft=body.n_draft, speculative=body.speculative)
-            completion = Completion(llm, tokens, chat=chat, model=model_id, **options)
+                                       seed=body.seed, n_draft=body.n_draft, speculative=body.speculative,
+                                       **shaping)
+            completion = Completion(llm, tokens, chat=chat, model=model_id, tool_format=tool_format, **options)
         except PromptTooLongError as e:
             raise ApiError(413, str(e), param="messages" if chat else "prompt", code="context_length_exceeded")
         except InvalidParameterError as e:
