@@ -73,8 +73,9 @@ def test_same_chunk_sequence(both, name, field):
                 == "".join(c["choices"][0]["delta"].get("content", "") for c in e))
 
 
-@pytest.mark.parametrize("argument, value", [("grammar", object()), ("logit_bias", {1: 2.0}), ("repeat_penalty", 1.1),
-                                              ("mirostat_mode", 2), ("logprobs", 5), ("presence_penalty", 0.5)])
+@pytest.mark.parametrize("argument, value", [("grammar", object()), ("logit_bias", {"x": 2.0}), ("repeat_penalty", 0),
+                                              ("mirostat_mode", 2), ("logprobs", 50), ("typical_p", 0.5),
+                                              ("echo", True), ("presence_penalty", float("inf"))])
 def test_arguments_that_cannot_be_honoured_are_named(pair, argument, value):
     with pytest.raises(InvalidParameterError, match=argument):
         pair.create_completion("def f():", max_tokens=4, **{argument: value})

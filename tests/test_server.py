@@ -172,7 +172,13 @@ BAD = [
     ("max_tokens of the wrong type", "/v1/completions", {"prompt": "hi", "max_tokens": "many"}, 400, "max_tokens"),
     ("a model not served", "/v1/chat/completions", {"model": "gpt-4", "messages": MESSAGES}, 400, "model"),
     ("n_draft out of range", "/v1/chat/completions", {"messages": MESSAGES, "n_draft": 500}, 400, "n_draft"),
-    ("logit_bias cannot be honoured", "/v1/completions", {"prompt": "hi", "logit_bias": {"1": 5}}, 400, "logit_bias"),
+    ("mirostat is not applied", "/v1/completions", {"prompt": "hi", "mirostat_mode": 2}, 400, "mirostat_mode"),
+    ("a grammar that does not parse", "/v1/completions", {"prompt": "hi", "grammar": "root ::= ("}, 400, "grammar"),
+    ("a tool_choice naming no tool", "/v1/chat/completions",
+     {"messages": MESSAGES, "tools": [{"type": "function", "function": {"name": "f"}}],
+      "tool_choice": {"type": "function", "function": {"name": "g"}}}, 400, "tool_choice"),
+    ("top_logprobs without logprobs", "/v1/chat/completions", {"messages": MESSAGES, "top_logprobs": 2}, 400,
+     "top_logprobs"),
     ("a prompt longer than the context", "/v1/completions", {"prompt": "word " * 5000}, 413, "prompt"),
 ]
 
@@ -245,3 +251,110 @@ def test_a_second_turn_reuses_the_prompt_cache_and_starts_sooner(server, client)
               if line and not line.startswith("#")}
     assert values["specllama_prompt_cached_tokens_total"] >= usage2.prompt_tokens_details.cached_tokens
     assert values['specllama_prompt_cache_lookups_total{source="live"}'] >= 1
+
+
+# --- structured output, tools and logprobs through real client libraries -------------------------
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The current weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+ASK_WEATHER = [{"role": "user", "content": "What is the weather in Paris right now?"}]
+
+
+def test_openai_parse_returns_a_pydantic_object(client):
+    from pydantic import BaseModel
+
+    class Person(BaseModel):
+        name: str
+        age: int
+        languages: list[str]
+
+    r = client.chat.completions.parse(
+        model="qwen-test", temperature=0, max_tokens=96, response_format=Person,
+        messages=[{"role": "user", "content": "Extract the person: Maria Lopez is 34 and writes Rust and Go."}])
+    person = r.choices[0].message.parsed
+    assert isinstance(person, Person) and person.age == 34 and "Maria" in person.name
+
+
+def test_instructor_extracts_a_model_through_a_required_tool_call(server):
+    import instructor
+    from pydantic import BaseModel
+
+    class City(BaseModel):
+        city: str
+        country: str
+
+    extractor = instructor.from_openai(openai.OpenAI(base_url=server[0] + "/v1", api_key=KEY, max_retries=0))
+    got = extractor.chat.completions.create(
+        model="qwen-test", response_model=City, temperature=0, max_tokens=96, max_retries=0,
+        messages=[{"role": "user", "content": "Where is the Eiffel Tower? Give the city and the country."}])
+    assert isinstance(got, City) and got.city and got.country
+
+
+def test_a_required_tool_call_streams_to_the_same_call(client):
+    kw = dict(model="qwen-test", messages=ASK_WEATHER, tools=[WEATHER], tool_choice="required", temperature=0,
+              max_tokens=64)
+    whole = client.chat.completions.create(**kw)
+    (call,) = whole.choices[0].message.tool_calls
+    assert whole.choices[0].finish_reason == "tool_calls"
+    assert call.function.name == "get_weather" and json.loads(call.function.arguments)["city"]
+    name, arguments, finish = "", "", None
+    for chunk in client.chat.completions.create(stream=True, **kw):
+        for delta in chunk.choices[0].delta.tool_calls or []:
+            name += delta.function.name or ""
+            arguments += delta.function.arguments or ""
+        finish = chunk.choices[0].finish_reason or finish
+        assert not chunk.choices[0].delta.content, "a call must not leak out as content"
+    assert (name, json.loads(arguments), finish) == (call.function.name, json.loads(call.function.arguments),
+                                                     "tool_calls")
+
+
+def test_an_agent_calls_a_python_tool_and_uses_its_result(server):
+    from agents import Agent, ModelSettings, OpenAIChatCompletionsModel, Runner, function_tool, set_tracing_disabled
+
+    set_tracing_disabled(True)  # traces would go to OpenAI; tests talk to 127.0.0.1 only
+    calls = []
+
+    @function_tool
+    def get_weather(city: str) -> str:
+        """The current weather in a city."""
+        calls.append(city)
+        return f"It is 17 degrees and raining in {city}."
+
+    model = OpenAIChatCompletionsModel(
+        model="qwen-test", openai_client=openai.AsyncOpenAI(base_url=server[0] + "/v1", api_key=KEY, max_retries=0))
+    # "required" for the first turn; the SDK then resets tool_choice so the model can answer
+    agent = Agent(name="weather", tools=[get_weather], model=model,
+                  instructions="You are a weather reporter. Once you have the weather, write a short sentence "
+                               "for the user.",
+                  model_settings=ModelSettings(tool_choice="required", temperature=0, max_tokens=96))
+    result = Runner.run_sync(agent, "Tell me in a sentence how the weather is in Paris.", max_turns=4)
+    assert calls and "paris" in calls[0].lower()
+    assert isinstance(result.final_output, str) and result.final_output.strip()
+    assert any(word in result.final_output.lower() for word in ("17", "rain")), result.final_output
+
+
+def test_tool_results_in_the_history_are_rendered(pair):
+    """An assistant tool call and its tool message reach the prompt in the template's format."""
+    call = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
+    history = ASK_WEATHER + [{"role": "assistant", "content": None, "tool_calls": [call]},
+                             {"role": "tool", "tool_call_id": "call_1", "content": "17 degrees, raining"}]
+    text = pair.detokenize(pair.chat_tokens(history, tools=[WEATHER]))
+    assert '"name": "get_weather"' in text and '{"city": "Paris"}' in text
+    assert "<tool_response>\n17 degrees, raining\n</tool_response>" in text
+
+
+def test_logprobs_have_openai_shapes(client):
+    r = client.chat.completions.create(model="qwen-test", messages=MESSAGES, temperature=0, max_tokens=8,
+                                       logprobs=True, top_logprobs=3)
+    content = r.choices[0].logprobs.content
+    assert len(content) == r.usage.completion_tokens
+    assert "".join(t.token for t in content) == r.choices[0].message.content
+    for t in content:
+        assert len(t.top_logprobs) == 3 and t.logprob <= 0 and t.top_logprobs[0].logprob >= t.logprob - 1e-9
+        assert bytes(t.bytes).decode("utf-8", "replace") == t.token
+    text = client.completions.create(model="qwen-test", prompt="def add(a, b):", max_tokens=6, temperature=0,
+                                     logprobs=2)
+    lp = text.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == 6
+    assert "".join(lp.tokens) == text.choices[0].text and all(len(top) == 2 for top in lp.top_logprobs)
