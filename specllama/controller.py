@@ -269,7 +269,7 @@ class FixedDraft:
         return "more"
 
     def observe(self, source: str, proposal: Any, new: list[int], t_verify: float, offer: list[int],
-                greedy: bool) -> None:
+                greedy: bool, n_verify: Optional[int] = None) -> None:
         pass
 
     def as_dict(self) -> dict:
@@ -361,13 +361,14 @@ class Controller:
         return "stop"
 
     def observe(self, source: str, proposal: Any, new: list[int], t_verify: float, offer: list[int],
-                greedy: bool) -> None:
+                greedy: bool, n_verify: Optional[int] = None) -> None:
         """What a round did: its source and proposal (tokens, confidences, a dropped token),
-        the tokens it produced (accepted drafts, then the target's own), its verify time, and
-        what prompt lookup offered at its start."""
+        the tokens it produced (accepted drafts, then the target's own), its verify time (of
+        n_verify rows: more than the proposal's when forced tokens came first), and what prompt
+        lookup offered at its start."""
         n_drafted = len(proposal.tokens)
         n_accepted = len(new) - 1
-        self.costs.observe_verify(n_drafted + 1, t_verify)
+        self.costs.observe_verify(n_verify or n_drafted + 1, t_verify)
         self.draft_acceptance.age()
         self.lookup_hits *= self.draft_acceptance.mean_decay
         self.lookup_seen *= self.draft_acceptance.mean_decay

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import time
+from contextlib import contextmanager
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Optional
@@ -81,22 +82,22 @@ def generate_steps(
             limits.reach(n_past)
             n_verify_max = limits.max_batch(n_past) if proposer is not None else 1
             t1 = time.perf_counter()
-            # 2. propose from the source and as far as the policy wants, within limits and context
-            source, n_draft, proposal, offer = "none", 0, EMPTY, []
+            # 2. propose from the source and as far as the policy wants, within limits and context;
+            # tokens the grammar forces come first, for free, and the source continues after them
+            source, n_draft, proposal, offer, forced = "none", 0, EMPTY, [], []
             if proposer is not None:
                 k_cap = min(target.n_ctx - len(tokens), n_verify_max - 1)
-                # tokens the grammar forces cost nothing to propose: they make the round alone
                 forced = constraint.forced(k_cap) if constraint is not None else []
-                if forced:
-                    source, n_draft, proposal = "grammar", len(forced), Proposal(forced)
-                else:
-                    n_match, offer = proposer.lookup_offer(tokens, k_cap)
-                    source, n_draft = policy.plan(k_cap, n_match, len(offer))
-                if n_draft > 0 and not forced:
-                    proposal = proposer.propose(tokens, source, n_draft, sampling, rng, policy.draft_more,
-                                                constraint)
-                    if constraint is not None:  # a token the grammar forbids is never accepted
-                        proposal = _within(proposal, constraint.n_valid(proposal.tokens))
+                context = [*tokens, *forced]
+                with _exploring(constraint, forced):
+                    n_match, offer = proposer.lookup_offer(context, k_cap - len(forced))
+                    source, n_draft = policy.plan(k_cap - len(forced), n_match, len(offer))
+                    if n_draft > 0:
+                        proposal = proposer.propose(context, source, n_draft, sampling, rng, policy.draft_more,
+                                                    constraint)
+                        if constraint is not None:  # a token the grammar forbids is never accepted
+                            proposal = _within(proposal, constraint.n_valid(proposal.tokens))
+            drafted, proposal = proposal, _after(forced, proposal)
             t2 = time.perf_counter()
             # 3. verify: one target pass over [newest token, x_1..x_k], logits for all k+1 rows
             target.decode([tokens[-1], *proposal.tokens], n_logits=len(proposal.tokens) + 1)
@@ -117,9 +118,15 @@ def generate_steps(
             stats.t_calibrate += t1 - t0
             stats.t_draft += t2 - t1
             stats.t_verify += t3 - t2
-            stats.record_round(len(proposal.tokens), n_accepted, source)
+            stats.record_round(len(proposal.tokens), n_accepted, source, len(forced))
             if proposer is not None:
-                policy.observe(source, proposal, new, t3 - t2, offer, sampling.greedy)
+                # the policy judges its own source, on the rounds that reached its drafts
+                if n_accepted >= len(forced):
+                    policy.observe(source, drafted, new[len(forced):], t3 - t2, offer, sampling.greedy,
+                                   n_verify=len(proposal.tokens) + 1)
+                else:
+                    policy.observe("grammar", EMPTY, new, t3 - t2, [], sampling.greedy,
+                                   n_verify=len(proposal.tokens) + 1)
             yield step
     finally:
         # interrupted between verify and rollback: drop the unverified rows
@@ -176,6 +183,28 @@ def _verify(target: Runtime, proposal: Proposal, sampling: SamplingSettings, rng
     if constraint is not None:
         constraint.accept(next_token)
     return n_accepted, next_token, seen
+
+
+@contextmanager
+def _exploring(constraint: Optional[Constraint], tokens: list[int]) -> Iterator[None]:
+    """The constraint advanced over tokens for the duration, then rolled back."""
+    if constraint is None or not tokens:
+        yield
+        return
+    for token in tokens:
+        constraint.accept(token)
+    try:
+        yield
+    finally:
+        constraint.rollback(len(tokens))
+
+
+def _after(forced: list[int], proposal: Proposal) -> Proposal:
+    """forced, then the proposal: one round (a forced token's q is one-hot, as lookup's)."""
+    if not forced:
+        return proposal
+    q = [None] * len(forced) + list(proposal.q) if proposal.q is not None else None
+    return Proposal([*forced, *proposal.tokens], q)
 
 
 def _within(proposal: Proposal, n: int) -> Proposal:

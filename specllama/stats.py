@@ -14,7 +14,7 @@ class Stats:
     n_draft_max: int = 0  # the most tokens a round could draft (after the exact-mode cap)
     n_plain_rounds: int = 0  # rounds that drafted nothing (the controller found no gain)
     n_lookup_rounds: int = 0  # rounds whose drafts came from prompt lookup
-    n_grammar_rounds: int = 0  # rounds that proposed the tokens a grammar forces
+    n_grammar_rounds: int = 0  # rounds that began with tokens a grammar forces
     n_forced_accepted: int = 0  # of those tokens, the ones the target accepted
     n_constrained_rows: int = 0  # target and draft rows shaped by a constraint
     t_constraint: float = 0.0  # shaping them and advancing the grammar (inside t_draft and t_verify)
@@ -52,13 +52,14 @@ class Stats:
     n_bytes_draft: int = 0
     n_bytes_resident: int = 0
 
-    def record_round(self, n_drafted: int, n_accepted: int, source: str = "draft") -> None:
+    def record_round(self, n_drafted: int, n_accepted: int, source: str = "draft", n_forced: int = 0) -> None:
+        """A round that proposed n_drafted tokens (the first n_forced forced by a grammar)."""
         self.n_rounds += 1
         self.n_plain_rounds += n_drafted == 0
-        self.n_lookup_rounds += n_drafted > 0 and source == "lookup"
-        if source == "grammar":
+        self.n_lookup_rounds += n_drafted > n_forced and source == "lookup"
+        if n_forced:
             self.n_grammar_rounds += 1
-            self.n_forced_accepted += n_accepted
+            self.n_forced_accepted += min(n_forced, n_accepted)
         self.n_drafted += n_drafted
         self.n_accepted += n_accepted
         for counts, n in ((self.drafted_at, n_drafted), (self.accepted_at, n_accepted)):
