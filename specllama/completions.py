@@ -236,9 +236,10 @@ class Completion:
                                 for token, (logprob, top) in entries]}
         out: dict[str, list] = {"tokens": [], "text_offset": [], "token_logprobs": [], "top_logprobs": []}
         for token, (logprob, top) in entries:
-            out["tokens"].append(text(token))
+            piece = text(token)
+            out["tokens"].append(piece)
             out["text_offset"].append(self._n_text)
-            self._n_text += len(text(token))
+            self._n_text += len(piece)
             out["token_logprobs"].append(logprob)
             out["top_logprobs"].append({text(t): p for t, p in top})
         return out

@@ -148,7 +148,6 @@ class Grammar:
         self.n_vocab = tokenizer.vocab_size
         self._bitmask = np.zeros((self.n_vocab + 31) // 32, dtype=np.int32)
         self._bits = self._bitmask.view(np.uint8)
-        self.n_masks = 0  # rows masked, for the cost per row
         # an end-of-generation token ends the text rather than being consumed (llguidance does not
         # count it as consumed either, so a rollback over it must not roll the matcher back)
         self._eog = frozenset(tokenizer.eos_tokens)
@@ -158,7 +157,6 @@ class Grammar:
         """A bool array over the vocabulary: the tokens the grammar allows next."""
         self.matcher.unsafe_compute_mask_ptr(self._bitmask.ctypes.data, self._bitmask.nbytes)
         self._check()
-        self.n_masks += 1
         return np.unpackbits(self._bits, bitorder="little")[:self.n_vocab].view(bool)
 
     def accept(self, token: int) -> None:
@@ -200,9 +198,8 @@ class Constraint:
     with each token that becomes part of the text; rollback() undoes what a draft explored.
     """
 
-    def __init__(self, n_vocab: int, *, logit_bias: Optional[dict[int, float]] = None,
-                 penalties: Penalties = Penalties(), grammar: Optional[Grammar] = None):
-        self.n_vocab = n_vocab
+    def __init__(self, *, logit_bias: Optional[dict[int, float]] = None, penalties: Penalties = Penalties(),
+                 grammar: Optional[Grammar] = None):
         self.penalties, self.grammar = penalties, grammar
         self._bias_ids = np.array(sorted(logit_bias or {}), dtype=np.int64)
         self._bias = np.array([logit_bias[i] for i in self._bias_ids], dtype=np.float32) if logit_bias else None

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import math
 import time
-from contextlib import contextmanager
 from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -19,7 +19,7 @@ from .constraints import Constraint
 from .fidelity import Limits, near_tie, top_gap
 from .proposers import EMPTY, Proposal, Proposer
 from .runtime import Runtime
-from .sampling import SamplingSettings, _top_candidates, distribution, greedy
+from .sampling import SamplingSettings, distribution, greedy, top_candidates
 from .stats import Stats
 from .verify import greedy_verify, speculative_verify
 
@@ -224,6 +224,6 @@ def _logprobs(target: Runtime, tokens: list[int], n_top: Optional[int]) -> Optio
         row = target.logits(i).astype(np.float64)
         m = row.max()
         logp = row - (m + math.log(np.exp(row - m).sum()))
-        top = _top_candidates(logp, n_top) if n_top else []
+        top = top_candidates(logp, n_top) if n_top else []
         out.append((float(logp[token]), [(int(t), float(logp[t])) for t in top]))
     return out

@@ -356,13 +356,10 @@ class SpecLlama:
         source = grammar_source(grammar, json_schema)
         parsed = None
         if source is not None:
-            tokenizer = getattr(self.target, "grammar_tokenizer", None)
-            if tokenizer is None:
-                raise InvalidParameterError("grammar" if grammar is not None else "json_schema", "...",
-                                            "used with a target on this machine (not yet with RPC workers)")
-            parsed = Grammar(tokenizer(), source, "grammar" if grammar is not None else "json_schema")
-        constraint = Constraint(self.target.n_vocab, logit_bias=check_logit_bias(logit_bias, self.target.n_vocab),
-                                penalties=penalties, grammar=parsed)
+            param = "grammar" if grammar is not None else "json_schema"
+            parsed = Grammar(self.target.grammar_tokenizer(), source, param)
+        constraint = Constraint(logit_bias=check_logit_bias(logit_bias, self.target.n_vocab), penalties=penalties,
+                                grammar=parsed)
         return constraint if constraint.active else None
 
     def _policy(self, n_draft: Union[int, str], level: Level, seeded: bool, greedy: bool) -> Any:

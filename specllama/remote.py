@@ -27,7 +27,7 @@ from typing import Any, Optional, Union
 
 import numpy as np
 
-from .errors import RpcError
+from .errors import InvalidParameterError, RpcError
 from .runtime import Device, ModelSettings, PrefillRow, Runtime, SavedState
 
 CONNECT_TIMEOUT = 3.0  # seconds a worker has to accept a TCP connection before it counts as unreachable
@@ -311,6 +311,11 @@ class RemoteRuntime:
                             tools: Optional[list[dict]] = None) -> str:
         return self._call("call", "apply_chat_template", (messages,),
                           {"add_generation_prompt": add_generation_prompt, "tools": tools})
+
+    def grammar_tokenizer(self) -> Any:
+        """Grammars need the vocabulary in this process (llguidance reads llama.cpp's tokenizer)."""
+        raise InvalidParameterError("grammar", "...", "used with a target on this machine; a target on RPC "
+                                    "workers takes no grammar, JSON schema or required tool call yet")
 
     def meta(self, key: str) -> Optional[str]:
         return self._call("call", "meta", (key,), {})

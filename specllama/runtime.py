@@ -9,11 +9,11 @@ by reusing the longest cached prefix.
 from __future__ import annotations
 
 import ctypes
-import warnings
 import os
 import socket
 import sys
 import threading
+import warnings
 from collections.abc import Sequence
 from contextlib import ExitStack
 from dataclasses import dataclass

@@ -74,7 +74,7 @@ def _softmax(x: np.ndarray) -> np.ndarray:
     return e / e.sum()
 
 
-def _top_candidates(logits: np.ndarray, n: int) -> np.ndarray:
+def top_candidates(logits: np.ndarray, n: int) -> np.ndarray:
     """Ids of the n largest logits, largest first (ties broken by lower id)."""
     n_vocab = logits.shape[0]
     if n < n_vocab:
@@ -116,18 +116,18 @@ def distribution(logits: np.ndarray, settings: SamplingSettings) -> Dist:
         log_z = _logsumexp(logits)
         n_try = 64
         while n_try < n_vocab:
-            ids = _top_candidates(logits, n_try)
+            ids = top_candidates(logits, n_try)
             if np.exp(logits[ids].astype(np.float64) - log_z).sum() >= settings.top_p:
                 break
             n_try *= 4
         else:
-            ids = _top_candidates(logits, n_vocab)
+            ids = top_candidates(logits, n_vocab)
     elif n_keep == n_vocab and settings.min_p > 0.0:
         # min_p alone: its threshold is known up front, so only the survivors are sorted.
         survivors = np.flatnonzero(logits >= logits.max() + math.log(settings.min_p))
         ids = survivors[np.lexsort((survivors, -logits[survivors]))]
     else:
-        ids = _top_candidates(logits, n_keep)
+        ids = top_candidates(logits, n_keep)
     x = logits[ids].astype(np.float64)
     if settings.top_p < 1.0:
         probs = np.exp(x - _logsumexp(logits)) if n_keep == n_vocab else _softmax(x)

@@ -104,7 +104,7 @@ def _call(name: Any, arguments: Any) -> Optional[dict]:
 
 
 def _parse_hermes(fmt: ToolFormat, text: str) -> tuple[str, list[dict]]:
-    calls, content = [], text
+    calls = []
     first = text.find(fmt.open)
     if first < 0:
         return text, []
@@ -117,8 +117,7 @@ def _parse_hermes(fmt: ToolFormat, text: str) -> tuple[str, list[dict]]:
         if call is None:
             return text, []
         calls.append(call)
-    content = text[:first].rstrip()
-    return content, calls
+    return text[:first].rstrip(), calls
 
 
 def _parse_llama3(fmt: ToolFormat, text: str) -> tuple[str, list[dict]]:

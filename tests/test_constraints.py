@@ -84,7 +84,7 @@ def test_constraint_state_follows_accept_and_rollback(plain):
     grammar = Grammar(runtime.grammar_tokenizer(), grammar_source(json_schema={
         "type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"],
         "additionalProperties": False}))
-    c = Constraint(runtime.n_vocab, penalties=Penalties(repeat=1.5), grammar=grammar)
+    c = Constraint(penalties=Penalties(repeat=1.5), grammar=grammar)
     row = np.random.default_rng(1).normal(0, 2, runtime.n_vocab).astype(np.float32)
     ids = runtime.tokenize('{"a": 3}', add_special=False)
     assert c.forced(8) == ids[:len(c.forced(8))] and c.forced(8)  # '{"a":' is forced
@@ -142,8 +142,7 @@ def references(plain):
     out = {}
     for name, (prompt, _, build) in CASES.items():
         tokens = plain.chat_tokens([{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt)
-        out[name] = (tokens, plain_constrained(plain, tokens, N_TOKENS, Constraint(plain.target.n_vocab,
-                                                                                    **build(plain))))
+        out[name] = (tokens, plain_constrained(plain, tokens, N_TOKENS, Constraint(**build(plain))))
     return out
 
 
@@ -199,7 +198,7 @@ def test_sampling_under_a_grammar_has_the_constrained_target_distribution(pair, 
     first = [r.tokens[0] for r in runs]
     mode = max(set(first), key=first.count)
     second = [r.tokens[1] for r in runs if r.tokens[0] == mode and len(r.tokens) > 1]
-    constraint = Constraint(plain.target.n_vocab, grammar=_grammar(plain, grammar=grammar))
+    constraint = Constraint(grammar=_grammar(plain, grammar=grammar))
     constraint.accept(mode)
     target = plain.target
     target.truncate(0)
