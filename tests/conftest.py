@@ -29,6 +29,19 @@ def model_paths() -> dict[str, Path]:
 
 
 @pytest.fixture(scope="session")
+def tiny_paths(model_paths) -> dict[str, Path]:
+    """Tiny random-weight models of the hybrid (qwen35, with an MTP layer) architecture and an
+    attention-only one, on the Qwen2.5 vocabulary (scripts/tiny_models.py), written once per
+    version of the script."""
+    import hashlib
+
+    import tiny_models
+
+    version = hashlib.sha1((ROOT / "scripts" / "tiny_models.py").read_bytes()).hexdigest()[:10]
+    return tiny_models.write_set(model_paths["draft"], fetch_models.cache_dir() / f"tiny-{version}")
+
+
+@pytest.fixture(scope="session")
 def pair(model_paths):
     """Qwen2.5-Coder 1.5B target with the 0.5B draft."""
     with specllama.load(model_paths["target"], model_paths["draft"], n_draft=4, **SETTINGS) as llm:
