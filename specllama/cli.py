@@ -39,7 +39,7 @@ def main() -> None:
 def _model_options(f):
     for option in reversed([
         click.option("--draft", "draft", default="auto", envvar="SPECLLAMA_DRAFT", show_default=True,
-                     help="Draft: auto, none, ngram (prompt lookup), or a .gguf path / repo id / alias."),
+                     help="Draft: auto, none, ngram (prompt lookup), mtp (the target's own MTP layers), or a .gguf path / repo id / alias."),
         click.option("--n-draft", default=None, help="Tokens drafted per round, or auto (default)."),
         click.option("--ctx", "n_ctx", type=int, default=4096, show_default=True, help="Context size in tokens."),
         click.option("--threads", "n_threads", type=int, default=None, help="CPU threads (default: llama.cpp's)."),
@@ -523,11 +523,11 @@ def doctor_cmd(model: Optional[str], draft: str, n_ctx: int, n_threads: Optional
                as_json: bool) -> None:
     """What this llama.cpp build can do here; with MODEL, its fidelity, costs and whether a draft pays."""
     from . import runtime
-    from .doctor import model_report, system_report
+    from .doctor import describe_memory, model_report, system_report
 
     report = system_report()
     if model is not None:
-        from .draft_select import resolve_pair
+        from .draft_select import MTP, resolve_pair
         from .plan import make_plan
         from .runtime import ModelSettings, Runtime
 
@@ -535,9 +535,11 @@ def doctor_cmd(model: Optional[str], draft: str, n_ctx: int, n_threads: Optional
         for note in notes:
             click.echo(note, err=True)
         settings = ModelSettings(n_ctx=n_ctx, n_threads=n_threads, n_gpu_layers=n_gpu_layers)
-        memory = make_plan(target_path, draft_path, settings, None, gpu_offload=report["gpu_offload"])
-        with Runtime.load(target_path, settings) as target:
-            draft_rt = Runtime.load(draft_path, settings) if draft_path else None
+        mtp = draft_path == MTP
+        memory = make_plan(target_path, None if mtp else draft_path, settings, None,
+                           gpu_offload=report["gpu_offload"])
+        with Runtime.load(target_path, settings, mtp=mtp) as target:
+            draft_rt = target.mtp_head if mtp else Runtime.load(draft_path, settings) if draft_path else None
             try:
                 report["model"] = {**model_report(target, draft_rt), "memory_plan": memory.describe(),
                                    "memory_fits": memory.fits}
@@ -561,6 +563,8 @@ def doctor_cmd(model: Optional[str], draft: str, n_ctx: int, n_threads: Optional
     if m:
         click.echo(f"\n{m['target']}" + (f" with draft {m['draft']}" if m["draft"] else "") + ":")
         click.echo("  " + m["memory_plan"].replace("\n", "\n  ") + ("" if m["memory_fits"] else "  (does not fit)"))
+        for line in describe_memory(m["memory"]):
+            click.echo(f"  {line}")
         click.echo(f"  largest verify batch (bitwise / rounding, bound {m['rounding_bound']:g} logits):")
         for row in m["fidelity"]:
             click.echo(f"    {row['kv']:>14}: {row['max_verify_bitwise']:2} / {row['max_verify_rounding']:2}"

@@ -86,7 +86,7 @@ def generate_steps(
             # tokens the grammar forces come first, for free, and the source continues after them
             source, n_draft, proposal, offer, forced = "none", 0, EMPTY, [], []
             if proposer is not None:
-                k_cap = min(target.n_ctx - len(tokens), n_verify_max - 1)
+                k_cap = min(target.n_ctx - len(tokens), n_verify_max - 1, target.max_verify - 1)
                 forced = constraint.forced(k_cap) if constraint is not None else []
                 context = [*tokens, *forced]
                 with _exploring(constraint, forced):
@@ -115,22 +115,26 @@ def generate_steps(
             # 5. roll the target back to what was accepted
             target.truncate(n_past + 1 + n_accepted)
             tokens.extend(new)
+            t4 = time.perf_counter()
             stats.t_calibrate += t1 - t0
             stats.t_draft += t2 - t1
             stats.t_verify += t3 - t2
+            stats.t_rollback += t4 - t3
             stats.record_round(len(proposal.tokens), n_accepted, source, len(forced))
             if proposer is not None:
-                # the policy judges its own source, on the rounds that reached its drafts
+                # the policy judges its own source, on the rounds that reached its drafts; what
+                # the rollback cost (a recurrent state restored and replayed) is part of the pass
                 if n_accepted >= len(forced):
-                    policy.observe(source, drafted, new[len(forced):], t3 - t2, offer, sampling.greedy,
+                    policy.observe(source, drafted, new[len(forced):], t4 - t2, offer, sampling.greedy,
                                    n_verify=len(proposal.tokens) + 1)
                 else:
-                    policy.observe("grammar", EMPTY, new, t3 - t2, [], sampling.greedy,
+                    policy.observe("grammar", EMPTY, new, t4 - t2, [], sampling.greedy,
                                    n_verify=len(proposal.tokens) + 1)
             yield step
     finally:
-        # interrupted between verify and rollback: drop the unverified rows
-        target.truncate(len(tokens) - 1)
+        # interrupted between verify and rollback: drop the unverified rows (a recurrent memory
+        # that cannot stop there drops more, for the next prefill to decode again)
+        target.discard(len(tokens) - 1)
         if proposer is not None:  # the draft's prefill ran inside a draft step: count it apart
             stats.n_draft_prompt_cached, stats.t_draft_prefill = proposer.draft_prefill()
             stats.t_draft -= stats.t_draft_prefill

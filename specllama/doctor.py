@@ -72,11 +72,39 @@ def model_report(target: runtime.Runtime, draft: Optional[runtime.Runtime], n_gr
              **{f"max_verify_{name}": f.largest_batch(LEVELS[name].bound) for name in ("bitwise", "rounding")}}
             for f in fidelity]
     k_max = min(fidelity[0].largest_batch(LEVELS["rounding"].bound), MAX_VERIFY) - 1
-    return {"target": target.name, "draft": draft.name if draft is not None else None, "fidelity": rows,
+    return {"target": target.name, "draft": draft.name if draft is not None else None,
+            "memory": memory_report(target), "fidelity": rows,
             "rounding_bound": LEVELS["rounding"].bound,
             "costs_ms": {"v": {n: round(costs.v(n) * 1000, 1) for n in (1, 2, 3, 4, 8, 16)},
                          "draft_token": round(costs.draft_token * 1000, 1)},
             "verdict": verdict(costs, k_max, draft is not None)}
+
+
+def memory_report(target: runtime.Runtime) -> dict:
+    """The target's memory type, how rejected tokens leave it, and its MTP layers."""
+    target.truncate(0)
+    target.decode(target.tokenize("The size of one state", add_special=False))
+    n_checkpoint = target.checkpoint_bytes  # a recurrent state's size does not grow with the text
+    target.truncate(0)
+    return {"type": target.memory, "rollback": target.rollback, "n_rs_seq": target.n_rs_seq,
+            "checkpoint_bytes": n_checkpoint, "mtp_layers": target.n_nextn,
+            "mtp_loaded": target.mtp_head is not None}
+
+
+def describe_memory(m: dict) -> list[str]:
+    """Two lines for `specllama doctor`: the rollback a model gets and its MTP heads."""
+    rollback = {
+        "seq_rm": "seq_rm (rejected tokens leave the KV cache for free)",
+        "n_rs_seq": f"n_rs_seq ({m['n_rs_seq']} per-token snapshots of the recurrent state; a "
+                    f"{m['checkpoint_bytes'] / 1024:.0f} KiB checkpoint before each batch for whole-batch rollbacks)",
+        "checkpoint": f"checkpoint ({m['checkpoint_bytes'] / 1024:.0f} KiB of recurrent state copied before each "
+                      "verify batch, restored and the accepted tokens decoded again)",
+    }[m["rollback"]]
+    kind = {"attention": "attention (KV cache)", "hybrid": "hybrid (recurrent state + KV cache)",
+            "recurrent": "recurrent state"}[m["type"]]
+    mtp = (f"{m['mtp_layers']} MTP (nextn) layer(s): --draft mtp drafts with them, no second model"
+           + ("" if m["mtp_loaded"] else "; --draft auto prefers them") if m["mtp_layers"] else "none")
+    return [f"memory: {kind}; rollback: {rollback}", f"MTP heads: {mtp}"]
 
 
 def verdict(costs, k_max: int, has_draft: bool) -> str:

@@ -16,7 +16,7 @@ import os
 import re
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 from . import gguf_check, paths
 from .compat import CHECK_START_TOKEN_ID, VocabInfo, check_compatible, early_mismatch, vocab_info_from_gguf
@@ -306,11 +306,21 @@ def _leading_fields(path: Path) -> Optional[dict]:
         return None
 
 
-def resolve_pair(target: str, draft: Optional[str], *, hub: Optional[Hub] = None,
-                 registry: Optional[Registry] = None) -> tuple[Path, Optional[Path], list[str]]:
-    """Local paths for a target reference and a draft reference ("auto", "none", or a ref).
+MTP = "mtp"  # the draft that is the target's own MTP layers
 
-    Returns (target path, draft path or None, lines worth telling the user).
+
+def n_mtp_layers(path: Path) -> int:
+    """MTP (nextn) layers a GGUF declares ({arch}.nextn_predict_layers)."""
+    fields = gguf_check.read_header(path).fields
+    return int(fields.get(f"{fields.get('general.architecture', '')}.nextn_predict_layers", 0) or 0)
+
+
+def resolve_pair(target: str, draft: Optional[str], *, hub: Optional[Hub] = None,
+                 registry: Optional[Registry] = None) -> tuple[Path, Any, list[str]]:
+    """Local paths for a target reference and a draft reference ("auto", "mtp", "none", or a ref).
+
+    Returns (target path, draft path, MTP or None, lines worth telling the user). "auto"
+    prefers the target's own MTP layers where its GGUF has them.
     """
     from . import registry as registry_module
     from .resolve import resolve
@@ -323,6 +333,12 @@ def resolve_pair(target: str, draft: Optional[str], *, hub: Optional[Hub] = None
         notes.append(t.note)
     if draft is None or draft in ("", "none"):
         return t.path, None, notes
+    if draft == "mtp":
+        return t.path, MTP, notes
+    if draft == "auto" and n_mtp_layers(t.path):
+        notes.append(f"draft: the MTP heads in {t.path.name} ({n_mtp_layers(t.path)} nextn layer(s)): "
+                     "no second model to load, and trained on the target's own hidden states")
+        return t.path, MTP, notes
     if draft != "auto":
         d = resolve(str(draft), hub, registry)
         return t.path, d.path, notes + ([d.note] if d.note else [])

@@ -27,7 +27,8 @@ from .prompt_cache import Budget, PromptCache
 from .proposers import DraftModelProposer, PromptLookupProposer, Proposer
 from .plan import check as check_plan, make_plan
 from .remote import RemoteRuntime
-from .runtime import ModelSettings, Runtime, open_runtime, resident_bytes, supports_gpu_offload
+from .draft_select import MTP
+from .runtime import MtpHead, ModelSettings, Runtime, open_runtime, resident_bytes, supports_gpu_offload
 from .sampling import SamplingSettings
 from .stats import Stats
 from .text import Detokenizer, StopMatcher
@@ -131,7 +132,9 @@ class SpecLlama:
         # mean different things by confidence (top probability; q of a sampled token)
         self._acceptance = {True: Acceptance(), False: Acceptance()}
         self._explained: set[Level] = set()
-        if draft is not None:
+        # the draft: a second model, or the target's own MTP layers (the same vocabulary)
+        self.mtp = isinstance(draft, MtpHead)
+        if draft is not None and not self.mtp:
             check_compatible(_vocab_info(target), _vocab_info(draft))
         # how far verify batches stray from single-token rows, per KV length, measured on demand
         self.batch_diffs = DiffTable(lambda n_past, bound: batch_diffs(target, n_past, bound), target.n_ctx)
@@ -139,7 +142,8 @@ class SpecLlama:
         self.reuse_diffs = ReuseTable(lambda n_past: reuse_diffs(target, n_past), target.n_ctx)
         self.prompt_cache_budget = Budget(_check_cache_mb(prompt_cache_mb))
         self.target_cache = PromptCache(target, self.prompt_cache_budget)
-        self.draft_cache = PromptCache(draft, self.prompt_cache_budget) if draft is not None else None
+        self.draft_cache = PromptCache(draft, self.prompt_cache_budget) if draft is not None and not self.mtp \
+            else None
         if self.speculates and self.level.limited:
             self._explain_short_limit(self.level)
 
@@ -397,7 +401,8 @@ class SpecLlama:
                               greedy=req.sampling.greedy)
         if not (policy.has_draft or policy.lookup):
             return forced, FixedDraft(0)
-        draft = DraftModelProposer(self.draft, self.draft_cache, canonical=req.seeded) if policy.has_draft else None
+        draft = DraftModelProposer(self.draft, self.draft_cache, canonical=req.seeded, follows_target=self.mtp) \
+            if policy.has_draft else None
         return Proposer(draft, PromptLookupProposer() if policy.lookup or draft is None else None), policy
 
     @contextmanager
@@ -420,7 +425,9 @@ class SpecLlama:
             proposer, policy = self._proposer_and_policy(req)
             t_start = time.perf_counter()
             stats = Stats(n_prompt=len(req.prompt), n_draft_max=policy.limit if proposer is not None else 0,
-                          fidelity=str(req.level))
+                          fidelity=str(req.level), rollback=self.target.rollback,
+                          draft_source="mtp" if self.mtp else "model" if self.draft is not None else "")
+            n_replayed = self.target.n_replayed
             stream.stats = stats
             limits = Limits(req.level, self.batch_diffs)
             steps = None
@@ -468,6 +475,7 @@ class SpecLlama:
                 stats.controller = policy.as_dict()
                 _keep_near_ties(stats, len(tokens) + (finish == "stop" and not matcher.stopped), req.sampling)
                 stats.t_total = time.perf_counter() - t_start
+                stats.n_replayed = self.target.n_replayed - n_replayed
                 _record_memory(stats, self.target, self.draft)
                 stream.result = Result("".join(texts), tokens, finish, stats)
 
@@ -572,6 +580,8 @@ def load(target: Any, draft: Any = None, *, n_draft: Union[int, str] = "auto",
     # the draft stays on this machine unless draft_rpc says otherwise
     draft_kw = {**{k: v for k, v in target_kw.items() if k not in _TARGET_ONLY},
                 **{k[6:]: v for k, v in model_settings.items() if k.startswith("draft_")}}
+    # a draft decodes one token at a time, which per-batch snapshots (n_rs_seq) cannot undo
+    draft_kw.setdefault("rollback", "checkpoint")
     for key in set(target_kw) | set(draft_kw):
         if key not in _SETTING_NAMES:
             raise TypeError(f"load() got an unknown setting {key!r}; known: {', '.join(sorted(_SETTING_NAMES))}")
@@ -600,16 +610,24 @@ def load(target: Any, draft: Any = None, *, n_draft: Union[int, str] = "auto",
         target_host = _rpc_host(target_settings, opened)
         draft_host = _rpc_host(draft_settings, opened) if draft is not None else None
         if check_memory and _is_ref(target) and (draft is None or _is_ref(draft)):
-            memory = make_plan(Path(target), Path(draft) if draft is not None else None, target_settings,
+            memory = make_plan(Path(target), Path(draft) if draft not in (None, MTP) else None, target_settings,
                                draft_settings, gpu_offload=supports_gpu_offload(),
                                target_devices=target_host and target_host.devices,
                                draft_devices=draft_host and draft_host.devices,
                                prompt_cache=_check_cache_mb(prompt_cache_mb))
             check_plan(memory, target_settings.n_ctx)
-        target_rt = target_host.load(target) if target_host else open_runtime(target, target_settings)
+        mtp = draft == MTP
+        if mtp and (target_host is not None or not _is_ref(target)):
+            raise InvalidParameterError("draft", draft, "used with a GGUF path or Hub reference on this machine; "
+                                        "a llama_cpp.Llama or a target on RPC workers cannot load its MTP layers")
+        target_rt = target_host.load(target) if target_host else open_runtime(target, target_settings, mtp=mtp)
         opened.append(target_rt)
         draft_rt = None
-        if draft is not None:
+        if mtp:
+            draft_rt = target_rt.mtp_head
+            if draft_rt is None:
+                log.warning("%s: %s; decoding without a draft", target_rt.name, target_rt.mtp_note)
+        elif draft is not None:
             draft_rt = draft_host.load(draft) if draft_host else open_runtime(draft, draft_settings)
             opened.append(draft_rt)
         return SpecLlama(target_rt, draft_rt, n_draft=n_draft, exact=exact, lookup=lookup,
@@ -620,8 +638,8 @@ def load(target: Any, draft: Any = None, *, n_draft: Union[int, str] = "auto",
         raise
 
 
-# settings that describe the target's placement, which the draft does not inherit
-_TARGET_ONLY = ("rpc", "tensor_split")
+# settings that describe the target's placement or role, which the draft does not inherit
+_TARGET_ONLY = ("rpc", "tensor_split", "rollback")
 
 
 def _rpc_host(settings: ModelSettings, opened: list) -> Optional[RemoteRuntime]:

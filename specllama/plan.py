@@ -18,7 +18,7 @@ import psutil
 
 from . import gguf_check
 from .errors import SpecLlamaError
-from .runtime import Device, ModelSettings, devices, offload_devices
+from .runtime import N_RS_SEQ, Device, ModelSettings, devices, offload_devices
 
 KV_BYTES_PER_ELEMENT = {"f32": 4.0, "f16": 2.0, "bf16": 2.0, "q8_0": 34 / 32, "q5_1": 24 / 32,
                         "q5_0": 22 / 32, "q4_1": 20 / 32, "q4_0": 18 / 32}
@@ -151,8 +151,10 @@ def model_plan(path: Path, settings: ModelSettings, gpu_offload: bool = False) -
     n_embd = int(f.get(f"{arch}.embedding_length", 0))
     head_k = int(f.get(f"{arch}.attention.key_length", n_embd // n_head if n_head else 0))
     head_v = int(f.get(f"{arch}.attention.value_length", head_k))
-    kv = int(n_layer * n_ctx * n_head_kv * (head_k * KV_BYTES_PER_ELEMENT[settings.type_k or "f16"]
-                                           + head_v * KV_BYTES_PER_ELEMENT[settings.type_v or "f16"]))
+    n_attention, recurrent = _layer_kinds(f, arch, n_layer)
+    kv = int(n_attention * n_ctx * n_head_kv * (head_k * KV_BYTES_PER_ELEMENT[settings.type_k or "f16"]
+                                               + head_v * KV_BYTES_PER_ELEMENT[settings.type_v or "f16"]))
+    kv += recurrent
     n_offload = 0 if not gpu_offload else (n_layer if n_gpu_layers < 0 else min(n_gpu_layers, n_layer))
     ram = gpu = 0
     for t in header.tensors:
@@ -167,6 +169,27 @@ def model_plan(path: Path, settings: ModelSettings, gpu_offload: bool = False) -
     # logits for a batch, attention scores for one micro-batch, and a fixed margin for graph buffers
     compute = n_vocab * n_batch * 4 + n_batch * n_ctx * n_head * 4 + 64 * 1024 ** 2
     return ModelPlan(path.name, ram, gpu, kv, compute, n_layer, n_offload)
+
+
+def _layer_kinds(f: dict, arch: str, n_layer: int) -> tuple[int, int]:
+    """(layers with an attention KV cache, bytes of recurrent state) of a model.
+
+    Hybrids in llama.cpp's qwen35 family name every full_attention_interval-th layer
+    attention and the rest gated delta nets, whose state (f32, one sequence) is kept
+    1 + runtime.N_RS_SEQ times for per-token rollback; MTP (nextn) layers are attention
+    layers, in a second context when loaded. Other architectures count as attention-only.
+    """
+    interval = int(f.get(f"{arch}.full_attention_interval", 0) or 0)
+    d_state = int(f.get(f"{arch}.ssm.state_size", 0) or 0)
+    if not interval or not d_state:
+        return n_layer, 0
+    n_nextn = int(f.get(f"{arch}.nextn_predict_layers", 0) or 0)
+    n_trunk = n_layer - n_nextn
+    n_recurrent = n_trunk - n_trunk // interval
+    n_v_heads = int(f.get(f"{arch}.ssm.time_step_rank", 0) or 0)
+    conv_dim = int(f.get(f"{arch}.ssm.inner_size", 0) or 0) + 2 * int(f.get(f"{arch}.ssm.group_count", 0) or 0) * d_state
+    per_layer = 4 * (n_v_heads * d_state * d_state + (int(f.get(f"{arch}.ssm.conv_kernel", 4) or 4) - 1) * conv_dim)
+    return n_layer - n_recurrent, n_recurrent * per_layer * (1 + N_RS_SEQ)
 
 
 def available_memory() -> tuple[int, bool]:

@@ -115,8 +115,17 @@ class PromptCache:
         rt, chunk = self.runtime, self.runtime.n_batch
         best: Optional[SavedState] = None
         n_best, exact = reusable(rt.cached, rt.n_canonical, rt.prefill_row, tokens, canonical, chunk)
+        n_reach = rt.n_reachable(n_best)
+        if n_reach < n_best:  # a recurrent memory goes back only to its checkpoint, or not at all
+            n_all = min(common_prefix(rt.cached, tokens), len(tokens) - 1)
+            if not canonical and rt.n_reachable(n_all) == n_all:
+                n_best, exact = n_all, False  # all it holds of the prompt, as computed
+            else:  # exact reuse ends on a chunk boundary, so the rest is prefilled as fresh
+                n_best = n_reach if not exact or n_reach % chunk == 0 else 0
         for state in self.saved:
             n, state_exact = reusable(state.tokens, state.n_canonical, state.prefill_row, tokens, canonical, chunk)
+            if rt.memory != "attention" and n < len(state.tokens):
+                n = 0  # a saved recurrent state holds its last position only
             if n > n_best:
                 best, n_best, exact = state, n, state_exact
         # what the live sequence would lose; worth keeping for a conversation that comes back
@@ -132,7 +141,7 @@ class PromptCache:
             except DecodeError as e:  # the context is empty now: prefill from scratch
                 log.warning("%s; prefilling the prompt instead", e)
                 n_best, exact, source = 0, True, "none"
-        rt.prefill(tokens, n_best)
+        n_best = rt.prefill(tokens, n_best)
         self.n_hits += n_best > 0
         self.n_misses += n_best == 0
         self.n_reused += n_best

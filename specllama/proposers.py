@@ -39,9 +39,13 @@ class DraftModelProposer:
     fully accepted round).
     """
 
-    def __init__(self, draft: Runtime, cache: Optional[PromptCache] = None, canonical: bool = False):
+    def __init__(self, draft: Runtime, cache: Optional[PromptCache] = None, canonical: bool = False,
+                 follows_target: bool = False):
         self.draft = draft
         self.cache = cache
+        # the target's MTP layers (runtime.MtpHead) are fed by the target's own decodes, the
+        # prompt's included: nothing to prefill
+        self.follows_target = follows_target
         # a seeded sampled generation needs q independent of what ran before: the draft then
         # reuses only what a fresh prefill computes bit for bit, like the target
         self.canonical = canonical
@@ -57,7 +61,9 @@ class DraftModelProposer:
     def _prefill_now(self) -> None:
         tokens, self._prompt = self._prompt, None
         t0 = time.perf_counter()
-        if len(tokens) > self.draft.n_ctx:
+        if self.follows_target:
+            pass
+        elif len(tokens) > self.draft.n_ctx:
             self.draft.truncate(0)
         elif self.cache is None:
             self.draft.truncate(0)

@@ -84,6 +84,7 @@ class RemoteRuntime:
         self._pieces: dict[int, bytes] = {}
         self._texts: Optional[list[bytes]] = None
         self._eog: dict[int, bool] = {}
+        self.n_replayed, self.t_rollback = 0, 0.0  # the host's own; not reported here
         check_reachable(self.endpoints)
         self._log = tempfile.TemporaryFile()  # the host's output: llama.cpp's last words if it dies
         parent, child = Pipe()
@@ -264,6 +265,19 @@ class RemoteRuntime:
         if n_keep >= len(self.cached):
             return
         self._call("truncate", n_keep)
+        self._kept(n_keep)
+
+    def n_reachable(self, n_keep: int) -> int:
+        if self.memory == "attention" or n_keep >= len(self.cached):
+            return min(n_keep, len(self.cached))
+        return self._call("call", "n_reachable", (n_keep,), {})
+
+    def discard(self, n_keep: int) -> None:
+        """As Runtime.discard: the host says how many tokens its memory kept."""
+        if n_keep < len(self.cached):
+            self._kept(self._call("discard", n_keep))
+
+    def _kept(self, n_keep: int) -> None:
         del self.cached[n_keep:]
         self.n_canonical = min(self.n_canonical, n_keep)
         if self.prefill_row is not None and n_keep < self.prefill_row.n_tokens:
@@ -324,7 +338,7 @@ class RemoteRuntime:
 # --- the host side ------------------------------------------------------------------------------
 
 _FACTS = ("name", "identity", "n_ctx", "n_vocab", "n_batch", "memory_use", "vocab_type", "bos", "eos",
-          "add_bos", "add_eos", "n_params", "model_bytes")
+          "add_bos", "add_eos", "n_params", "model_bytes", "memory", "rollback", "max_verify")
 
 
 def _rebuild(module: str, qualname: str, message: str) -> BaseException:
@@ -368,6 +382,9 @@ def _serve(conn: Connection) -> None:
                     rows[i] = runtime.logits(i)
             elif op == "truncate":
                 runtime.truncate(args[0])
+            elif op == "discard":
+                runtime.discard(args[0])
+                value = len(runtime.cached)
             elif op == "token_texts":
                 value = [runtime.token_text(i) for i in range(runtime.n_vocab)]
             elif op == "call":

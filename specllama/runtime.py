@@ -13,6 +13,7 @@ import os
 import socket
 import sys
 import threading
+import time
 import warnings
 from collections.abc import Sequence
 from contextlib import ExitStack
@@ -32,6 +33,15 @@ from .errors import ContextFullError, DecodeError, InvalidModelFileError, Invali
 # KV cache element types users may name; values are ggml_type ids (the gguf package's table).
 KV_CACHE_TYPES = {name: int(GGMLQuantizationType[name.upper()])
                   for name in ("f32", "f16", "bf16", "q8_0", "q5_1", "q5_0", "q4_1", "q4_0")}
+
+# Ways to drop the last tokens from a model's memory (see Runtime.rollback):
+#   seq_rm      attention KV cache: remove the positions (llama_memory_seq_rm)
+#   n_rs_seq    recurrent state snapshots per token of the last batch (llama.cpp's n_rs_seq): a
+#               rollback of 1..N_RS_SEQ tokens right after a batch, keeping its first token
+#   checkpoint  copy the recurrent state before a batch (llama_state_seq_get_data_ext with
+#               PARTIAL_ONLY), restore it and decode the accepted tokens again
+ROLLBACKS = ("seq_rm", "n_rs_seq", "checkpoint")
+N_RS_SEQ = 16  # snapshots asked for: verify batches are capped at N_RS_SEQ + 1 rows
 
 _FLASH_ATTN = {
     None: llama_cpp.LLAMA_FLASH_ATTN_TYPE_AUTO,
@@ -63,6 +73,9 @@ class ModelSettings:
     rpc: tuple[str, ...] = ()
     tensor_split: Optional[tuple[float, ...]] = None  # share of the offloaded layers per device
     rpc_timeout: float = 600.0  # seconds one call on an RPC model may take before it counts as lost
+    # how rejected tokens leave a recurrent or hybrid memory (ROLLBACKS); None: the fastest the
+    # model supports. Attention-only memory always truncates its KV cache (seq_rm).
+    rollback: Optional[str] = None
 
     def __post_init__(self) -> None:
         # frozen: normalise through object.__setattr__ ("a:1,b:2" and lists become tuples)
@@ -94,6 +107,9 @@ class ModelSettings:
             raise InvalidParameterError("n_gpu_layers", self.n_gpu_layers, "an integer >= -1 (-1 = all)")
         if self.flash_attn not in _FLASH_ATTN:
             raise InvalidParameterError("flash_attn", self.flash_attn, "True, False or None (auto)")
+        if self.rollback not in (None, *ROLLBACKS):
+            raise InvalidParameterError("rollback", self.rollback, f"one of {', '.join(ROLLBACKS)} or None (the "
+                                        "fastest the model's memory supports)")
         for name in ("type_k", "type_v"):
             value = getattr(self, name)
             if value is not None and value not in KV_CACHE_TYPES:
@@ -353,8 +369,9 @@ class SavedState:
 
 
 class _Model:
-    def __init__(self, path: Path, settings: ModelSettings, stack: ExitStack):
+    def __init__(self, path: Path, settings: ModelSettings, stack: ExitStack, mtp: bool = False):
         params = llama_cpp.llama_model_default_params()
+        params.load_mtp = mtp  # the MTP (nextn) layers are skipped unless asked for
         params.n_gpu_layers = settings.n_gpu_layers  # -1: all layers, llama.cpp's own meaning
         if settings.rpc:
             # llama.cpp's default choice of devices leaves registered RPC workers out here, so
@@ -379,8 +396,10 @@ class _Model:
 
 
 class _Context:
-    def __init__(self, model_ptr: Any, settings: ModelSettings, stack: ExitStack):
+    def __init__(self, model_ptr: Any, settings: ModelSettings, stack: ExitStack, mtp: bool = False):
         params = llama_cpp.llama_context_default_params()
+        if mtp:  # a context that runs the model's MTP layers on the target's hidden states
+            params.ctx_type = llama_cpp.LLAMA_CONTEXT_TYPE_MTP
         params.n_ctx = settings.n_ctx
         params.n_batch = settings.n_batch
         params.n_ubatch = settings.n_batch
@@ -394,6 +413,9 @@ class _Context:
         if settings.type_v is not None:
             params.type_v = KV_CACHE_TYPES[settings.type_v]
         params.no_perf = True
+        recurrent = llama_cpp.llama_model_is_recurrent(model_ptr) or llama_cpp.llama_model_is_hybrid(model_ptr)
+        if recurrent and settings.rollback in (None, "n_rs_seq") and not mtp:
+            params.n_rs_seq = N_RS_SEQ  # llama.cpp grants 0 to architectures without snapshots
         self.ptr = llama_cpp.llama_init_from_model(model_ptr, params)
         if not self.ptr:
             raise InvalidParameterError(
@@ -420,6 +442,121 @@ class _Batch:
         c.n_tokens = n
 
 
+def _mtp_api() -> Any:
+    """llama-cpp-python's bindings of llama.cpp's staging MTP functions (llama-ext.h)."""
+    try:
+        from llama_cpp import llama_cpp_ext
+    except (ImportError, AttributeError) as exc:
+        raise MtpUnavailable(f"this llama.cpp build lacks the MTP staging functions ({exc})") from None
+    return llama_cpp_ext
+
+
+class MtpUnavailable(DecodeError):
+    """The llama.cpp build cannot run MTP layers (its staging functions are missing)."""
+
+
+class MtpHead:
+    """A model's MTP (nextn) layers as a draft: a second context on the same weights.
+
+    Entry p of its KV cache pairs token x_p with the target's hidden state h_(p-1), which it
+    gets from every decode of the target (follow); a draft step feeds the newest token with the
+    last h, then each drafted token with the head's own output state. It has a draft model's
+    runtime interface (sync, decode, logits, truncate), so the draft-model proposer drives it.
+    Where the target's h is unknown (a restored prompt-cache state), entries get zeros: drafts
+    there are worse, the output is the same.
+    """
+
+    RECENT = 256  # target hidden states kept per position, for rollbacks and restores
+
+    def __init__(self, target: "Runtime", settings: ModelSettings, stack: ExitStack):
+        api = _mtp_api()
+        if target.n_nextn <= 0:
+            raise InvalidParameterError("draft", "mtp", f"a target whose GGUF has MTP (nextn) layers; {target.name} "
+                                        "has none")
+        self.target, self.name = target, f"{target.name} (MTP)"
+        self.identity = target.identity + "|mtp"
+        self._api = api
+        self.ptr = _Context(target._model, settings, stack, mtp=True).ptr
+        self._mem = llama_cpp.llama_get_memory(self.ptr)
+        api.llama_set_embeddings_nextn(target._ctx, True, False)  # h for every token the target decodes
+        api.llama_set_embeddings_nextn(self.ptr, True, True)  # and for the head's output rows
+        self.n_ctx, self.n_vocab, self.n_embd = target.n_ctx, target.n_vocab, target.n_embd
+        self.n_batch = int(llama_cpp.llama_n_batch(self.ptr))
+        self._batch = llama_cpp.llama_batch_init(self.n_batch, self.n_embd, 1)
+        self._tokens = (llama_cpp.llama_token * self.n_batch)()  # an embd batch has no token array of its own
+        self._batch.token = self._tokens
+        stack.callback(self._free_batch)
+        self._embd = np.ctypeslib.as_array(self._batch.embd, shape=(self.n_batch, self.n_embd))
+        self.n_cached = 0  # entries at positions 0..n_cached-1
+        self._h: dict[int, np.ndarray] = {}  # position -> the target's h there (recent ones)
+        self._h_out: Optional[np.ndarray] = None  # the head's output state of its last row
+        self._n_rows = 0
+        self.memory_use: Optional[MemoryUse] = None  # part of the target's
+        llama_cpp.llama_memory_clear(self._mem, True)
+
+    def _free_batch(self) -> None:
+        self._batch.token = ctypes.POINTER(llama_cpp.llama_token)()  # ours, not llama.cpp's to free
+        llama_cpp.llama_batch_free(self._batch)
+
+    def follow(self, target_tokens: Sequence[int], pos0: int) -> None:
+        """The target just decoded target_tokens[pos0:]: enter them, each with the h before it."""
+        h = self.target.hidden_states(len(target_tokens) - pos0)
+        self.truncate(min(self.n_cached, pos0))
+        for i in range(len(h)):
+            self._h[pos0 + i] = h[i].copy()
+        for p in [p for p in self._h if p < len(target_tokens) - self.RECENT]:
+            del self._h[p]
+        self._enter(target_tokens[self.n_cached:], logits=False)
+
+    def _enter(self, tokens: Sequence[int], logits: bool, h_first: Optional[np.ndarray] = None) -> None:
+        """Decode entries for tokens at n_cached.., each paired with the target's h before it."""
+        for start in range(0, len(tokens), self.n_batch):
+            chunk = tokens[start:start + self.n_batch]
+            c = self._batch
+            for i, token in enumerate(chunk):
+                pos = self.n_cached + i
+                h = h_first if h_first is not None and start + i == 0 else self._h.get(pos - 1)
+                c.token[i], c.pos[i], c.n_seq_id[i], c.seq_id[i][0] = token, pos, 1, 0
+                c.logits[i] = logits and start + i == len(tokens) - 1
+                self._embd[i] = 0.0 if h is None else h
+            c.n_tokens = len(chunk)
+            status = llama_cpp.llama_decode(self.ptr, c)
+            if status != 0:
+                llama_cpp.llama_memory_seq_rm(self._mem, 0, self.n_cached, -1)
+                raise DecodeError(f"{self.name}: llama_decode failed with status {status}")
+            self.n_cached += len(chunk)
+        self._n_rows = 1 if logits else 0
+        if logits:
+            self._h_out = np.ctypeslib.as_array(self._api.llama_get_embeddings_nextn_ith(self.ptr, -1),
+                                                shape=(self.n_embd,)).copy()
+
+    # --- a draft runtime's interface ---------------------------------------------------------
+
+    def truncate(self, n_keep: int) -> None:
+        if n_keep < self.n_cached:
+            llama_cpp.llama_memory_seq_rm(self._mem, 0, n_keep, -1)
+            self.n_cached = n_keep
+        self._n_rows = 0
+
+    def sync(self, tokens: Sequence[int]) -> None:
+        """Enter tokens[-1] after the target's entries for tokens[:-1], logits for it."""
+        n_past = len(tokens) - 1
+        self.truncate(n_past)  # the last round's drafts
+        self._enter(tokens[self.n_cached:], logits=True)
+
+    def decode(self, tokens: Sequence[int], *, n_logits: int = 1, aligned: bool = False) -> None:
+        """Drafted tokens: the first pairs with the head's own last output state."""
+        self._enter(tokens, logits=True, h_first=self._h_out)
+
+    def logits(self, row: int) -> np.ndarray:
+        if row != 0 or not self._n_rows:
+            raise IndexError(f"{self.name}: logit row {row} was not requested by the last decode")
+        return np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(self.ptr, -1), shape=(self.n_vocab,))
+
+    def close(self) -> None:
+        """Freed with its target."""
+
+
 class Runtime:
     """One model, its context and a batch; knows which tokens its KV cache holds.
 
@@ -427,7 +564,8 @@ class Runtime:
     caller owns. Close with close() or a with-block.
     """
 
-    def __init__(self, model_ptr: Any, ctx_ptr: Any, name: str, stack: ExitStack, identity: str = ""):
+    def __init__(self, model_ptr: Any, ctx_ptr: Any, name: str, stack: ExitStack, identity: str = "",
+                 rollback: Optional[str] = None):
         self._stack = stack
         self.name = name
         # what a measurement of this runtime depends on: file, settings, llama.cpp build
@@ -452,23 +590,42 @@ class Runtime:
         self._pinned: Optional[np.ndarray] = None  # logits(0) when it comes from prefill_row
         # measured by load(); None for a borrowed model, whose loading we did not see
         self.memory_use: Optional[MemoryUse] = None
+        self.memory, self.rollback = _memory_kind(model_ptr, ctx_ptr, name, rollback)
+        self._window: Optional[tuple[int, int]] = None  # n_rs_seq: the last batch's positions, until used
+        self._checkpoint: Optional[tuple[int, bytearray]] = None  # (position, recurrent state there)
+        self._revisit = True  # a truncate since the last decode: the next decode starts a checkpoint
+        # what rolling back cost so far: tokens decoded again after a restore, and seconds
+        self.n_replayed = 0
+        self.t_rollback = 0.0
+        self.mtp_head: Optional[MtpHead] = None  # the model's MTP layers, when loaded with mtp=True
+        self.mtp_note = ""  # why they could not be loaded
         llama_cpp.llama_memory_clear(self._mem, True)
 
     @classmethod
-    def load(cls, path: Union[str, os.PathLike], settings: ModelSettings = ModelSettings()) -> "Runtime":
-        """Load a GGUF file; the header is validated in Python before llama.cpp sees it."""
+    def load(cls, path: Union[str, os.PathLike], settings: ModelSettings = ModelSettings(),
+             mtp: bool = False) -> "Runtime":
+        """Load a GGUF file; the header is validated in Python before llama.cpp sees it.
+
+        mtp=True also loads the model's MTP (nextn) layers, in a second context that follows
+        every decode of this one (runtime.mtp_head); InvalidParameterError if it has none.
+        """
         path = gguf_check.validate(path)
         _init_backend()
         _LOG_SINK.verbose = settings.verbose
         stack = ExitStack()
         try:
             ram0, gpu_free0 = resident_bytes(), _gpu_free()
-            model = _Model(path, settings, stack)
+            model = _Model(path, settings, stack, mtp)
             ctx = _Context(model.ptr, settings, stack)
             stat = path.stat()
             identity = "|".join([str(path.resolve()), str(stat.st_size), str(stat.st_mtime_ns), repr(settings),
                                  llama_cpp.__version__, _system_info()])
-            runtime = cls(model.ptr, ctx.ptr, path.name, stack, identity)
+            runtime = cls(model.ptr, ctx.ptr, path.name, stack, identity, settings.rollback)
+            if mtp:
+                try:
+                    runtime.mtp_head = MtpHead(runtime, settings, stack)
+                except MtpUnavailable as exc:  # the caller decodes without it, and says why
+                    runtime.mtp_note = str(exc)
             runtime.memory_use = MemoryUse(max(0, resident_bytes() - ram0), max(0, gpu_free0 - _gpu_free()))
             return runtime
         except BaseException:
@@ -616,6 +773,9 @@ class Runtime:
         if not 0 < n_logits <= min(len(tokens), self.n_batch):
             raise ValueError(f"n_logits={n_logits} must be in 1..{min(len(tokens), self.n_batch)}")
         self._pinned = None
+        if self.rollback != "seq_rm" and (self._revisit or len(tokens) > 1):
+            self._save_checkpoint()
+        self._revisit, self._window = False, None
         try:
             for start, end in chunk_bounds(n_past, len(tokens), self.n_batch, aligned):
                 chunk = tokens[start:end]
@@ -623,12 +783,16 @@ class Runtime:
                 n_chunk_logits = n_logits - (len(tokens) - end)
                 self._batch.fill(chunk, n_past + start, max(0, n_chunk_logits))
                 self._check(llama_cpp.llama_decode(self._ctx, self._batch.c), n_past + start, len(chunk))
+                self.cached.extend(chunk)
+                if self.mtp_head is not None:
+                    self.mtp_head.follow(self.cached, n_past + start)
             self._n_rows = n_logits
             self._n_last_chunk = len(chunk)
-            self.cached.extend(tokens)
+            if self.rollback == "n_rs_seq":
+                self._window = (n_past + start, n_past + end)
         except BaseException:
             self._n_rows = 0
-            llama_cpp.llama_memory_seq_rm(self._mem, 0, n_past, -1)
+            self.discard(n_past)
             raise
 
     def _check(self, status: int, pos: int, n_tokens: int) -> None:
@@ -659,24 +823,130 @@ class Runtime:
         return np.ctypeslib.as_array(ptr, shape=(self.n_vocab,))
 
     def truncate(self, n_keep: int) -> None:
-        """Drop every cached token at position >= n_keep."""
+        """Drop every cached token at position >= n_keep: the cache then holds cached[:n_keep].
+
+        Where the memory cannot drop them (a recurrent state restored to an earlier
+        checkpoint), the tokens from there to n_keep are decoded again.
+        """
+        if n_keep >= len(self.cached):
+            self._revisit = True
+            return
+        kept = self.cached[:n_keep]
+        t0 = time.perf_counter()
+        try:
+            self.discard(n_keep)
+            if len(self.cached) < n_keep:
+                replay = kept[len(self.cached):]
+                self.decode(replay)
+                self.n_replayed += len(replay)
+        finally:
+            self.t_rollback += time.perf_counter() - t0
+        self._revisit = True
+
+    def discard(self, n_keep: int) -> None:
+        """Drop the cached tokens at position >= n_keep, and more where the memory cannot stop
+        there without decoding again: afterwards cached is a prefix of cached[:n_keep]."""
         if n_keep >= len(self.cached):
             return
-        if not llama_cpp.llama_memory_seq_rm(self._mem, 0, n_keep, -1):
-            raise DecodeError(f"{self.name}: this model's memory cannot be rolled back to {n_keep} tokens")
-        del self.cached[n_keep:]
-        self.n_canonical = min(self.n_canonical, n_keep)
-        if self.prefill_row is not None and n_keep < self.prefill_row.n_tokens:
+        n_to = self._drop_to(n_keep)
+        del self.cached[n_to:]
+        if self.mtp_head is not None:
+            self.mtp_head.truncate(n_to)
+        self.n_canonical = min(self.n_canonical, n_to)
+        if self.prefill_row is not None and n_to < self.prefill_row.n_tokens:
             self.prefill_row = None
-        self._n_rows = 0
+        self._n_rows, self._pinned, self._window = 0, None, None
+        if self._checkpoint is not None and self._checkpoint[0] > n_to:
+            self._checkpoint = None
+        self._revisit = True
 
-    def prefill(self, tokens: Sequence[int], n_reuse: int) -> None:
+    def n_reachable(self, n_keep: int) -> int:
+        """How many of the first n_keep cached tokens discard(n_keep) keeps."""
+        if n_keep >= len(self.cached) or self.rollback == "seq_rm" or self._window_covers(n_keep):
+            return min(n_keep, len(self.cached))
+        if self._checkpoint is not None and self._checkpoint[0] <= n_keep:
+            return self._checkpoint[0]
+        return 0
+
+    def _window_covers(self, n_keep: int) -> bool:
+        # snapshots exist for the last batch only, once, and never for the state before it
+        if self._window is None:
+            return False
+        start, end = self._window
+        return start < n_keep < end and end - n_keep <= self.n_rs_seq
+
+    def _drop_to(self, n_keep: int) -> int:
+        """Remove positions >= n_reachable(n_keep) from the memory; that number."""
+        if self.rollback == "seq_rm" or self._window_covers(n_keep):
+            if llama_cpp.llama_memory_seq_rm(self._mem, 0, n_keep, -1):
+                return n_keep
+        elif self._checkpoint is not None and self._checkpoint[0] <= n_keep:
+            n_at, data = self._checkpoint  # its recurrent state first, then the KV cache after it
+            buf = (ctypes.c_uint8 * len(data)).from_buffer(data)
+            if llama_cpp.llama_state_seq_set_data_ext(self._ctx, buf, len(data), 0, _PARTIAL) \
+                    and llama_cpp.llama_memory_seq_rm(self._mem, 0, n_at, -1):
+                return n_at
+        llama_cpp.llama_memory_seq_rm(self._mem, 0, -1, -1)  # nothing to go back to: start over
+        self._checkpoint = None
+        return 0
+
+    def _save_checkpoint(self) -> None:
+        """Copy the recurrent state at len(cached), unless the checkpoint already holds it."""
+        n_at = len(self.cached)
+        if self._checkpoint is not None and self._checkpoint[0] == n_at:
+            return
+        size = llama_cpp.llama_state_seq_get_size_ext(self._ctx, 0, _PARTIAL)
+        data = self._checkpoint[1] if self._checkpoint is not None and len(self._checkpoint[1]) == size \
+            else bytearray(size)
+        self._checkpoint = None
+        buf = (ctypes.c_uint8 * size).from_buffer(data)
+        if llama_cpp.llama_state_seq_get_data_ext(self._ctx, buf, size, 0, _PARTIAL) != size:
+            raise DecodeError(f"{self.name}: llama.cpp could not copy the recurrent state at {n_at} tokens")
+        self._checkpoint = (n_at, data)
+
+    @property
+    def n_nextn(self) -> int:
+        """MTP (nextn) layers in the model's GGUF, loaded or not."""
+        return int(llama_cpp.llama_model_n_layer_nextn(self._model))
+
+    def hidden_states(self, n_rows: int) -> np.ndarray:
+        """The hidden state of each token of the last decode call, (n_rows, n_embd): what MTP
+        layers predict from. Valid until the next decode."""
+        ptr = _mtp_api().llama_get_embeddings_nextn(self._ctx)
+        if not ptr:
+            raise DecodeError(f"{self.name}: llama.cpp returned no hidden states for the MTP layers")
+        return np.ctypeslib.as_array(ptr, shape=(n_rows, self.n_embd))
+
+    @property
+    def n_embd(self) -> int:
+        return int(llama_cpp.llama_model_n_embd_out(self._model)) or int(llama_cpp.llama_model_n_embd(self._model))
+
+    @property
+    def n_rs_seq(self) -> int:
+        """Recurrent-state snapshots per token llama.cpp granted (0: none)."""
+        return int(llama_cpp.llama_n_rs_seq(self._ctx))
+
+    @property
+    def max_verify(self) -> int:
+        """The largest batch whose tokens can all be rolled back but the first."""
+        return min(self.n_batch, self.n_rs_seq + 1) if self.rollback == "n_rs_seq" else self.n_batch
+
+    @property
+    def checkpoint_bytes(self) -> int:
+        """Size of one checkpoint of this sequence's recurrent state (0 for attention memory)."""
+        if self.memory == "attention":
+            return 0
+        return int(llama_cpp.llama_state_seq_get_size_ext(self._ctx, 0, _PARTIAL))
+
+    def prefill(self, tokens: Sequence[int], n_reuse: int) -> int:
         """Make the cache hold tokens, with logits for the last one, keeping its first n_reuse
         (which must be tokens[:n_reuse]) and computing the rest in aligned chunks.
 
         Started from a canonical prefix that ends on a chunk boundary, the result is canonical
         up to the last whole chunk: a later prompt that extends tokens reuses that bit for bit.
         n_reuse == len(tokens) takes the last row from prefill_row, which must be this prompt's.
+        Returns the tokens reused: fewer than n_reuse where a recurrent memory could only go
+        back to an earlier checkpoint.
         """
         tokens = list(tokens)
         if not 0 <= n_reuse <= len(tokens) or self.cached[:n_reuse] != tokens[:n_reuse]:
@@ -686,13 +956,15 @@ class Runtime:
                 raise ValueError("the whole prompt can be reused only with the row its own prefill kept")
             self.truncate(n_reuse)
             self._pinned, self._n_rows = self.prefill_row.logits, 1
-            return
+            return n_reuse
+        self.discard(n_reuse)  # a recurrent memory may have to start from an earlier checkpoint
+        n_reuse = len(self.cached)
         canonical_start = n_reuse <= self.n_canonical and n_reuse % self.n_batch == 0
-        self.truncate(n_reuse)
         self.decode(tokens[n_reuse:], n_logits=1, aligned=True)
         if canonical_start:
             self.n_canonical = len(tokens) // self.n_batch * self.n_batch
         self.prefill_row = PrefillRow(len(tokens), self.logits(0).copy(), canonical_start)
+        return n_reuse
 
     def save_state(self) -> SavedState:
         """A copy of this sequence's memory, to restore_state() later (llama_state_seq_get_data)."""
@@ -706,6 +978,9 @@ class Runtime:
     def restore_state(self, saved: SavedState) -> None:
         """Put a saved_state() back: the cache then holds saved.tokens exactly as they were."""
         self._n_rows, self._pinned = 0, None
+        self._checkpoint, self._window, self._revisit = None, None, True
+        if self.mtp_head is not None:  # its entries were for the sequence replaced here
+            self.mtp_head.truncate(0)
         buf = (ctypes.c_uint8 * saved.n_bytes).from_buffer(saved.data)
         if not llama_cpp.llama_state_seq_set_data(self._ctx, buf, saved.n_bytes, 0):
             llama_cpp.llama_memory_seq_rm(self._mem, 0, -1, -1)
@@ -720,8 +995,31 @@ class Runtime:
         Reuses the longest cached prefix and decodes only the rest (always at least one token).
         """
         n_common = common_prefix(self.cached, tokens)
-        self.truncate(min(n_common, len(tokens) - 1))
+        self.discard(min(n_common, len(tokens) - 1))  # what a checkpoint restore drops is decoded here
         self.decode(tokens[len(self.cached):], n_logits=1)
+
+
+_PARTIAL = llama_cpp.LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY
+
+
+def _memory_kind(model_ptr: Any, ctx_ptr: Any, name: str, requested: Optional[str]) -> tuple[str, str]:
+    """(memory type, rollback): "attention", "hybrid" or "recurrent", and one of ROLLBACKS."""
+    if llama_cpp.llama_model_is_hybrid(model_ptr):
+        memory = "hybrid"
+    elif llama_cpp.llama_model_is_recurrent(model_ptr):
+        memory = "recurrent"
+    else:
+        memory = "attention"
+    if memory == "attention":
+        return memory, "seq_rm"
+    granted = int(llama_cpp.llama_n_rs_seq(ctx_ptr))
+    if requested == "seq_rm":
+        raise InvalidParameterError("rollback", requested, f"n_rs_seq, checkpoint or None for {name}: its {memory} "
+                                    "memory keeps no state per position, so seq_rm cannot drop tokens from it")
+    if requested == "n_rs_seq" and not granted:
+        raise InvalidParameterError("rollback", requested, f"checkpoint or None for {name}: llama.cpp keeps no "
+                                    "per-token snapshots for this architecture")
+    return memory, requested or ("n_rs_seq" if granted else "checkpoint")
 
 
 def cpu_count() -> int:
@@ -764,10 +1062,10 @@ def supports_gpu_offload() -> bool:
     return any(d.kind in ("gpu", "igpu") and d.rpc_endpoint is None for d in devices())
 
 
-def open_runtime(model: Any, settings: ModelSettings) -> Runtime:
+def open_runtime(model: Any, settings: ModelSettings, mtp: bool = False) -> Runtime:
     """A Runtime for a GGUF path or a borrowed llama_cpp.Llama."""
     if isinstance(model, llama_cpp.Llama):
         return Runtime.borrow(model)
     if isinstance(model, (str, os.PathLike)):
-        return Runtime.load(model, settings)
+        return Runtime.load(model, settings, mtp=mtp)
     raise InvalidParameterError("model", model, "a .gguf path or a llama_cpp.Llama")

@@ -43,6 +43,12 @@ class Stats:
     t_calibrate: float = 0.0  # one-time batch-difference measurements at a new KV length
     t_draft: float = 0.0
     t_verify: float = 0.0
+    # rolling the target back after each pass (a recurrent state restored and its accepted
+    # tokens decoded again, n_replayed of them; next to nothing for a KV cache)
+    t_rollback: float = 0.0
+    n_replayed: int = 0
+    rollback: str = ""  # how the target's memory drops rejected tokens (runtime.ROLLBACKS)
+    draft_source: str = ""  # "model" (a second GGUF), "mtp" (the target's own MTP layers) or none
     t_total: float = 0.0
     # what the draft controller decided from: its cost estimates and acceptance at the end
     controller: dict = field(default_factory=dict)
@@ -92,7 +98,7 @@ class Stats:
 
     @property
     def t_other(self) -> float:
-        return max(0.0, self.t_decode - self.t_draft - self.t_verify)
+        return max(0.0, self.t_decode - self.t_draft - self.t_verify - self.t_rollback)
 
     @property
     def decode_tokens_per_second(self) -> float:
@@ -117,6 +123,10 @@ class Stats:
         if self.n_drafted:
             line += (f", acceptance {self.acceptance_rate:.0%} ({self.n_accepted}/{self.n_drafted}), "
                      f"{self.tokens_per_round:.2f} tokens/round, up to {self.n_draft_max} drafted")
+        if self.rollback not in ("", "seq_rm"):
+            line += f", rollback by {self.rollback} {self.t_rollback:.2f}s"
+            if self.n_replayed:
+                line += f" ({self.n_replayed} tokens decoded again)"
         if self.n_grammar_rounds:
             line += f", grammar forced {self.n_forced_accepted} tokens in {self.n_grammar_rounds} rounds"
         if self.n_constrained_rows:
