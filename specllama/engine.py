@@ -544,8 +544,9 @@ def load(target: Any, draft: Any = None, *, n_draft: Union[int, str] = "auto",
     Args:
         target: a GGUF path, a Hub repo id ("Qwen/Qwen2.5-Coder-7B-Instruct-GGUF:q4_k_m"), a
             models.toml alias, or a llama_cpp.Llama you built (its settings are kept).
-        draft: the same kinds, "auto" to find a same-family draft, "ngram" for prompt lookup
-            alone (no second model), or None for plain decoding.
+        draft: the same kinds, "auto" to find a same-family draft (the target's own MTP
+            layers first, where its GGUF has them), "mtp" for those layers, "ngram" for prompt
+            lookup alone (no second model), or None for plain decoding.
         n_draft: "auto" (default: each round drafts as far as the measured costs and the
             acceptance so far say pays, and not at all when nothing beats plain decoding), or
             a fixed number of tokens per round (0..32).
@@ -573,6 +574,8 @@ def load(target: Any, draft: Any = None, *, n_draft: Union[int, str] = "auto",
             memory or by tensor_split=(share, ...), as llama.cpp's --rpc does; the draft stays
             on this machine unless draft_rpc is given. rpc_timeout (seconds, default 600)
             bounds one call on a model with workers; a lost worker raises RpcError naming it.
+            rollback ("n_rs_seq", "checkpoint"; None: the fastest the model supports) says how
+            a hybrid or recurrent target drops rejected tokens (see runtime.ROLLBACKS).
     Returns:
         A SpecLlama; close() it or use it in a with-block.
     """

@@ -593,7 +593,9 @@ class Runtime:
         self.memory, self.rollback = _memory_kind(model_ptr, ctx_ptr, name, rollback)
         self._window: Optional[tuple[int, int]] = None  # n_rs_seq: the last batch's positions, until used
         self._checkpoint: Optional[tuple[int, bytearray]] = None  # (position, recurrent state there)
-        self._revisit = True  # a truncate since the last decode: the next decode starts a checkpoint
+        # a rollback or sync since the last decode: the next decode keeps a checkpoint (as does
+        # any batch of more than one token), since decoding may come back to that point
+        self._revisit = True
         # what rolling back cost so far: tokens decoded again after a restore, and seconds
         self.n_replayed = 0
         self.t_rollback = 0.0
@@ -829,7 +831,6 @@ class Runtime:
         checkpoint), the tokens from there to n_keep are decoded again.
         """
         if n_keep >= len(self.cached):
-            self._revisit = True
             return
         kept = self.cached[:n_keep]
         t0 = time.perf_counter()
@@ -996,6 +997,7 @@ class Runtime:
         """
         n_common = common_prefix(self.cached, tokens)
         self.discard(min(n_common, len(tokens) - 1))  # what a checkpoint restore drops is decoded here
+        self._revisit = True  # a draft comes back here after drafting: keep a checkpoint
         self.decode(tokens[len(self.cached):], n_logits=1)
 
 

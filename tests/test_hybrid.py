@@ -51,14 +51,17 @@ def test_rollback_leaves_the_state_of_a_fresh_prefill(tiny_paths, rollback):
         rng = np.random.default_rng(0)
         kept = rt.tokenize("hello world, this is a test")
         rt.decode(kept)
-        n_replay = 0  # a checkpoint decodes again only the accepted part of the batch
+        # a checkpoint decodes again only the accepted part of the batch, snapshots nothing
+        n_replay = n_replayed = 0
         for _ in range(20):
             k = int(rng.integers(1, 7))
             batch = [int(t) for t in rng.integers(0, rt.n_vocab, k)]
             rt.decode(batch, n_logits=k)
             n_keep = int(rng.integers(1, k + 1))
             n_replay += n_keep if n_keep < k else 0
+            before = rt.n_replayed
             rt.truncate(len(kept) + n_keep)
+            n_replayed += rt.n_replayed - before
             kept += batch[:n_keep]
             assert rt.cached == kept
             probe = [int(rng.integers(0, rt.n_vocab))]
@@ -68,7 +71,7 @@ def test_rollback_leaves_the_state_of_a_fresh_prefill(tiny_paths, rollback):
             fresh.truncate(0)
             fresh.decode(kept + probe)
             assert np.array_equal(row, fresh.logits(0))
-        assert rt.n_replayed == (n_replay if rollback == "checkpoint" else 0)
+        assert n_replayed == (n_replay if rollback == "checkpoint" else 0)
 
 
 def test_a_whole_batch_rolls_back_through_the_checkpoint(tiny_paths):
