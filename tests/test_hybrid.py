@@ -16,6 +16,7 @@ from specllama.errors import InvalidParameterError
 from specllama.runtime import ModelSettings, Runtime
 from specllama.sampling import SamplingSettings, distribution
 from test_interrupts import Boom, interrupt_nth_call
+from test_sampling_e2e import second_tokens
 from test_verify import chi2_critical, chi2_stat
 
 SETTINGS = dict(n_ctx=1024, n_threads=2)
@@ -168,14 +169,7 @@ def test_sampled_speculation_has_the_target_distribution(tiny_paths, draft):
     draft_path = "mtp" if draft == "mtp" else tiny_paths[draft]
     with specllama.load(tiny_paths["hybrid-target"], draft_path, exact="bitwise", **SETTINGS) as llm:
         prompt = llm.tokenize("Once upon a time")
-        pairs, n_rejections = [], 0
-        for seed in range(200):
-            r = llm.generate(prompt, max_tokens=2, seed=seed, n_draft=2, **settings)
-            pairs.append(tuple(r.tokens))
-            n_rejections += r.stats.n_drafted - r.stats.n_accepted
-        first = [t[0] for t in pairs]
-        mode = max(set(first), key=first.count)
-        second = [t[1] for t in pairs if t[0] == mode]
+        mode, second, n_rejections = second_tokens(llm, prompt, 200, settings)
         target = llm.target
         target.truncate(0)
         target.sync(prompt + [mode])  # the target alone: prefill, then the first token
@@ -211,3 +205,19 @@ def test_doctor_says_which_rollback_a_model_gets_and_whether_it_has_mtp_heads(ti
     assert "MTP heads: 1 MTP (nextn) layer(s): --draft mtp drafts with them" in hybrid
     attention = doctor(str(tiny_paths["attention-draft"]))
     assert "rollback: seq_rm" in attention and "MTP heads: none" in attention
+
+
+def test_a_build_without_the_mtp_functions_says_so_and_decodes_plainly(tiny_paths, expected, monkeypatch, caplog):
+    """llama_cpp_ext binds staging symbols that a build may lack: then one line, no draft."""
+    import specllama.runtime as runtime
+
+    def missing():
+        raise runtime.MtpUnavailable("this llama.cpp build lacks the MTP staging functions (test)")
+
+    monkeypatch.setattr(runtime, "_mtp_api", missing)
+    with caplog.at_level("WARNING", logger="specllama"):
+        with specllama.load(tiny_paths["hybrid-target"], "mtp", exact="bitwise", **SETTINGS) as llm:
+            r = llm.generate(PROMPTS[0], max_tokens=N_TOKENS)
+    assert r.tokens == expected[PROMPTS[0]] and r.stats.draft_source == ""
+    assert [rec.getMessage() for rec in caplog.records
+            if "lacks the MTP staging functions" in rec.getMessage() and "without a draft" in rec.getMessage()]

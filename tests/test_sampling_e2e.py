@@ -19,6 +19,19 @@ def test_same_seed_same_text(pair):
     assert a.stats.n_drafted > 0
 
 
+def second_tokens(llm, prompt: list[int], n_seeds: int, settings: dict) -> tuple[int, list[int], int]:
+    """Two tokens per seed, speculating with n_draft=2: (the most frequent first token, the
+    second tokens that followed it, drafts rejected in all)."""
+    pairs, n_rejections = [], 0
+    for seed in range(n_seeds):
+        r = llm.generate(prompt, max_tokens=2, seed=seed, n_draft=2, **settings)
+        pairs.append(tuple(r.tokens))
+        n_rejections += r.stats.n_drafted - r.stats.n_accepted
+    first = [t[0] for t in pairs]
+    mode = max(set(first), key=first.count)
+    return mode, [t[1] for t in pairs if t[0] == mode], n_rejections
+
+
 def test_first_speculated_token_has_the_target_distribution(pair, plain):
     """The token after the prefill token is the first one a speculative round produces.
 
@@ -28,15 +41,7 @@ def test_first_speculated_token_has_the_target_distribution(pair, plain):
     """
     settings = dict(temperature=1.5, top_k=8, top_p=1.0, min_p=0.0)
     prompt = plain.tokenize("Q: Name a random fruit.\nA")
-    pairs = []
-    n_rejections = 0
-    for seed in range(250):
-        r = pair.generate(prompt, max_tokens=2, seed=seed, n_draft=2, **settings)
-        pairs.append(tuple(r.tokens))
-        n_rejections += r.stats.n_drafted - r.stats.n_accepted
-    first = [t[0] for t in pairs]
-    mode = max(set(first), key=first.count)
-    second = [t[1] for t in pairs if t[0] == mode]
+    mode, second, n_rejections = second_tokens(pair, prompt, 250, settings)
     # p for the second token, computed as the target alone computes it: prefill, then one token
     target = plain.target
     target.truncate(0)
