@@ -8,6 +8,7 @@
 from .engine import Chunk, Result, SpecLlama, Stream, load
 from .errors import (
     BusyError,
+    ClosedError,
     ConstraintError,
     ContextFullError,
     DecodeError,

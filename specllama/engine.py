@@ -20,7 +20,7 @@ from .completions import Completion, chat_logprobs, check_supported, generate_op
 from .constraints import Constraint, Grammar, Penalties, check_logit_bias, grammar_source
 from .decode import generate_steps
 from .doctor import offload_note
-from .errors import BusyError, EmptyPromptError, InvalidParameterError, PromptTooLongError
+from .errors import BusyError, ClosedError, EmptyPromptError, InvalidParameterError, PromptTooLongError
 from .controller import Acceptance, Controller, FixedDraft, OnlineCosts, draft_can_pay
 from .fidelity import MAX_VERIFY, DiffTable, Level, Limits, ReuseTable, parse_level
 from .prompt_cache import Budget, PromptCache
@@ -126,6 +126,7 @@ class SpecLlama:
             raise InvalidParameterError("lookup", lookup, "True, False or None (beside a draft model in auto mode)")
         self.lookup = lookup
         self._lock = threading.Lock()
+        self._closed = False
         self._costs = None
         self._online_costs: Optional[OnlineCosts] = None
         # the draft's confidence calibration, learned across calls; greedy and sampled drafts
@@ -219,6 +220,7 @@ class SpecLlama:
     def chat_tokens(self, messages: list[dict], tools: Optional[list[dict]] = None) -> list[int]:
         """Token ids of messages (and tools, for templates that render them) rendered with the
         target's chat template, ready to generate."""
+        self._check_open()
         if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
             raise InvalidParameterError("messages", messages, "a list of {'role': ..., 'content': ...} dicts")
         text = self.target.apply_chat_template(template_messages(messages), tools=tools)
@@ -283,14 +285,21 @@ class SpecLlama:
         return completion.chunks() if stream else completion.response()
 
     def tokenize(self, text: str) -> list[int]:
+        self._check_open()
         return self.target.tokenize(text, add_special=True, parse_special=True)
 
     def detokenize(self, tokens: Sequence[int]) -> str:
+        self._check_open()
         return b"".join(self.target.piece(t) for t in tokens).decode("utf-8", errors="replace")
+
+    def _check_open(self) -> None:
+        if self._closed:  # llama.cpp would read freed memory
+            raise ClosedError("this SpecLlama was closed and its models freed; specllama.load() them again")
 
     def close(self) -> None:
         """Free both models (a borrowed llama_cpp.Llama stays with its owner) and the saved
         prompt-cache states."""
+        self._closed = True
         self.prompt_cache_budget.entries.clear()
         for runtime in (self.draft, self.target):
             if runtime is not None:
@@ -407,6 +416,7 @@ class SpecLlama:
 
     @contextmanager
     def _exclusive(self) -> Iterator[None]:
+        self._check_open()
         if not self._lock.acquire(blocking=False):
             raise BusyError("this SpecLlama is already generating (another thread, or a stream that "
                             "is still open); finish or close() that stream first")

@@ -47,6 +47,10 @@ class BusyError(SpecLlamaError):
     """A second generation was started while one is still running on the same object."""
 
 
+class ClosedError(SpecLlamaError):
+    """The object was closed: its models are freed."""
+
+
 class RpcError(SpecLlamaError):
     """An RPC worker cannot be reached, was lost, or this llama.cpp build has no RPC backend."""
 

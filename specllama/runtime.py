@@ -762,7 +762,8 @@ class Runtime:
         Tokens go to llama.cpp in chunks of at most n_batch; aligned chunks end at multiples of
         n_batch (position 0 being the first), as a prefill from an empty cache does.
         Raises ContextFullError (nothing appended) when they do not fit; on any failure or
-        interruption the cache is rolled back to where it was.
+        interruption the cache is rolled back to where it was (a recurrent memory with no
+        checkpoint there: to an earlier point, as discard() does).
         """
         n_past = len(self.cached)
         if not tokens:

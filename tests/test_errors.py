@@ -179,3 +179,13 @@ def test_100kb_prompt_is_too_long_not_a_crash(pair, golden):
     with pytest.raises(PromptTooLongError, match="context holds 2048"):
         pair.generate("word " * 20_000, max_tokens=4)
     assert pair.generate(CODE, max_tokens=12).tokens == golden
+
+
+def test_a_closed_object_raises_instead_of_reading_freed_memory(tiny_paths):
+    llm = specllama.load(tiny_paths["attention-draft"], n_ctx=256, n_threads=2)
+    llm.close()
+    for use in (lambda: llm.tokenize("hi"), lambda: llm.detokenize([1, 2]), lambda: llm.generate("hi"),
+                lambda: list(llm.stream("hi")), lambda: llm.generate([1, 2, 3]),
+                lambda: llm.create_completion("hi", max_tokens=2)):
+        with pytest.raises(specllama.ClosedError, match="load"):
+            use()
