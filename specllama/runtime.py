@@ -885,7 +885,7 @@ class Runtime:
         elif self._checkpoint is not None and self._checkpoint[0] <= n_keep:
             n_at, data = self._checkpoint  # its recurrent state first, then the KV cache after it
             buf = (ctypes.c_uint8 * len(data)).from_buffer(data)
-            if llama_cpp.llama_state_seq_set_data_ext(self._ctx, buf, len(data), 0, _PARTIAL) \
+            if llama_cpp.llama_state_seq_set_data_ext(self._ctx, buf, len(data), 0, _CHECKPOINT) \
                     and llama_cpp.llama_memory_seq_rm(self._mem, 0, n_at, -1):
                 return n_at
         llama_cpp.llama_memory_seq_rm(self._mem, 0, -1, -1)  # nothing to go back to: start over
@@ -897,12 +897,12 @@ class Runtime:
         n_at = len(self.cached)
         if self._checkpoint is not None and self._checkpoint[0] == n_at:
             return
-        size = llama_cpp.llama_state_seq_get_size_ext(self._ctx, 0, _PARTIAL)
+        size = llama_cpp.llama_state_seq_get_size_ext(self._ctx, 0, _CHECKPOINT)
         data = self._checkpoint[1] if self._checkpoint is not None and len(self._checkpoint[1]) == size \
             else bytearray(size)
         self._checkpoint = None
         buf = (ctypes.c_uint8 * size).from_buffer(data)
-        if llama_cpp.llama_state_seq_get_data_ext(self._ctx, buf, size, 0, _PARTIAL) != size:
+        if llama_cpp.llama_state_seq_get_data_ext(self._ctx, buf, size, 0, _CHECKPOINT) != size:
             raise DecodeError(f"{self.name}: llama.cpp could not copy the recurrent state at {n_at} tokens")
         self._checkpoint = (n_at, data)
 
@@ -1003,6 +1003,10 @@ class Runtime:
 
 
 _PARTIAL = llama_cpp.LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY
+# checkpoints stay in the backend's own buffers (one per sequence, kept by the context): on a
+# GPU a host round trip of the state can cost more than speculation saves (llama.cpp #28118);
+# the host gets a few bytes of bookkeeping. Same bits as a host copy (tests/test_hybrid.py).
+_CHECKPOINT = _PARTIAL | llama_cpp.LLAMA_STATE_SEQ_FLAGS_ON_DEVICE
 
 
 def _memory_kind(model_ptr: Any, ctx_ptr: Any, name: str, requested: Optional[str]) -> tuple[str, str]:
