@@ -319,8 +319,9 @@ def resolve_pair(target: str, draft: Optional[str], *, hub: Optional[Hub] = None
                  registry: Optional[Registry] = None) -> tuple[Path, Any, list[str]]:
     """Local paths for a target reference and a draft reference ("auto", "mtp", "none", or a ref).
 
-    Returns (target path, the draft's path, MTP (the target's own MTP layers) or None, lines
-    worth telling the user). "auto" prefers the target's MTP layers where its GGUF has them.
+    Returns (target path, draft, notes): draft is the draft's path, MTP (the target's own MTP
+    layers) or None; notes are lines worth telling the user. "auto" prefers the target's MTP
+    layers where its GGUF has them.
     """
     from . import registry as registry_module
     from .resolve import resolve
