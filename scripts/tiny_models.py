@@ -130,7 +130,7 @@ def _delta_net(writer: gguf.GGUFWriter, w: _Weights, il: int) -> None:
     _put(writer, f"{blk}.ssm_out.weight", _mat(w, N_EMBD, value_dim, RESIDUAL))
 
 
-def _common(writer: gguf.GGUFWriter, arch: str, n_layer: int, name: str) -> None:
+def _common(writer: gguf.GGUFWriter, n_layer: int, name: str) -> None:
     writer.add_name(name)
     writer.add_context_length(4096)
     writer.add_embedding_length(N_EMBD)
@@ -144,14 +144,13 @@ def _common(writer: gguf.GGUFWriter, arch: str, n_layer: int, name: str) -> None
     writer.add_layer_norm_rms_eps(1e-6)
 
 
-def write_hybrid(tokenizer: list, path: Path, *, mtp: bool = False, seed: int = 0, perturb: float = 0.0,
+def write_hybrid(fields: list, path: Path, *, mtp: bool = False, seed: int = 0, perturb: float = 0.0,
                  perturb_seed: int = 1) -> Path:
     """A qwen35 hybrid: 3 gated-delta-net layers and 1 attention layer, plus an MTP block."""
-    fields = tokenizer
     n_vocab = len(next(v for k, v, *_ in fields if k == "tokenizer.ggml.tokens"))
     w = _Weights(seed, perturb, perturb_seed)
     writer = gguf.GGUFWriter(str(path), "qwen35")
-    _common(writer, "qwen35", N_TRUNK + (1 if mtp else 0), f"tiny-qwen35{'-mtp' if mtp else ''}")
+    _common(writer, N_TRUNK + (1 if mtp else 0), f"tiny-qwen35{'-mtp' if mtp else ''}")
     writer.add_rope_dimension_count(N_ROT)
     writer.add_rope_dimension_sections(ROPE_SECTIONS)
     writer.add_ssm_conv_kernel(SSM_CONV)
@@ -193,14 +192,13 @@ def write_hybrid(tokenizer: list, path: Path, *, mtp: bool = False, seed: int = 
     return path
 
 
-def write_attention(tokenizer: list, path: Path, *, seed: int = 0, perturb: float = 0.0,
+def write_attention(fields: list, path: Path, *, seed: int = 0, perturb: float = 0.0,
                     perturb_seed: int = 2) -> Path:
     """A qwen3 attention-only model with the hybrid's token embedding (same seed)."""
-    fields = tokenizer
     n_vocab = len(next(v for k, v, *_ in fields if k == "tokenizer.ggml.tokens"))
     w = _Weights(seed, perturb, perturb_seed)
     writer = gguf.GGUFWriter(str(path), "qwen3")
-    _common(writer, "qwen3", 2, "tiny-qwen3")
+    _common(writer, 2, "tiny-qwen3")
     _add_tokenizer(writer, fields)
     embd = w(n_vocab, N_EMBD, exact=True)
     _put(writer, "token_embd.weight", _q8(embd))

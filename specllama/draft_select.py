@@ -336,8 +336,9 @@ def resolve_pair(target: str, draft: Optional[str], *, hub: Optional[Hub] = None
         return t.path, None, notes
     if draft == "mtp":
         return t.path, MTP, notes
-    if draft == "auto" and n_mtp_layers(t.path):
-        notes.append(f"draft: the MTP heads in {t.path.name} ({n_mtp_layers(t.path)} nextn layer(s)): "
+    n_mtp = n_mtp_layers(t.path) if draft == "auto" else 0
+    if n_mtp:
+        notes.append(f"draft: the MTP heads in {t.path.name} ({n_mtp} nextn layer(s)): "
                      "no second model to load, and trained on the target's own hidden states")
         return t.path, MTP, notes
     if draft != "auto":

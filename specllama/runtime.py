@@ -501,7 +501,7 @@ class MtpHead:
     def follow(self, target_tokens: Sequence[int], pos0: int) -> None:
         """The target just decoded target_tokens[pos0:]: enter them, each with the h before it."""
         h = self.target.hidden_states(len(target_tokens) - pos0)
-        self.truncate(min(self.n_cached, pos0))
+        self.truncate(pos0)
         for i in range(len(h)):
             self._h[pos0 + i] = h[i].copy()
         for p in [p for p in self._h if p < len(target_tokens) - self.RECENT]:
@@ -590,7 +590,8 @@ class Runtime:
         self._pinned: Optional[np.ndarray] = None  # logits(0) when it comes from prefill_row
         # measured by load(); None for a borrowed model, whose loading we did not see
         self.memory_use: Optional[MemoryUse] = None
-        self.memory, self.rollback = _memory_kind(model_ptr, ctx_ptr, name, rollback)
+        self.n_rs_seq = int(llama_cpp.llama_n_rs_seq(ctx_ptr))  # recurrent-state snapshots per token granted
+        self.memory, self.rollback = _memory_kind(model_ptr, self.n_rs_seq, name, rollback)
         self._window: Optional[tuple[int, int]] = None  # n_rs_seq: the last batch's positions, until used
         self._checkpoint: Optional[tuple[int, bytearray]] = None  # (position, recurrent state there)
         # a rollback or sync since the last decode: the next decode keeps a checkpoint (as does
@@ -864,25 +865,32 @@ class Runtime:
 
     def n_reachable(self, n_keep: int) -> int:
         """How many of the first n_keep cached tokens discard(n_keep) keeps."""
-        if n_keep >= len(self.cached) or self.rollback == "seq_rm" or self._window_covers(n_keep):
-            return min(n_keep, len(self.cached))
-        if self._checkpoint is not None and self._checkpoint[0] <= n_keep:
-            return self._checkpoint[0]
-        return 0
+        if n_keep >= len(self.cached):
+            return len(self.cached)
+        return {"seq_rm": n_keep, "checkpoint": self._checkpoint[0] if self._checkpoint else 0,
+                None: 0}[self._way_back(n_keep)]
 
-    def _window_covers(self, n_keep: int) -> bool:
-        # snapshots exist for the last batch only, once, and never for the state before it
-        if self._window is None:
-            return False
-        start, end = self._window
-        return start < n_keep < end and end - n_keep <= self.n_rs_seq
+    def _way_back(self, n_keep: int) -> Optional[str]:
+        """How the memory can drop positions >= n_keep: "seq_rm" (at n_keep), "checkpoint"
+        (at the checkpoint, before n_keep) or None (only by starting over)."""
+        if self.rollback == "seq_rm":
+            return "seq_rm"
+        if self._window is not None:
+            # snapshots exist for the last batch only, once, and never for the state before it
+            start, end = self._window
+            if start < n_keep < end and end - n_keep <= self.n_rs_seq:
+                return "seq_rm"
+        if self._checkpoint is not None and self._checkpoint[0] <= n_keep:
+            return "checkpoint"
+        return None
 
     def _drop_to(self, n_keep: int) -> int:
         """Remove positions >= n_reachable(n_keep) from the memory; that number."""
-        if self.rollback == "seq_rm" or self._window_covers(n_keep):
+        way = self._way_back(n_keep)
+        if way == "seq_rm":
             if llama_cpp.llama_memory_seq_rm(self._mem, 0, n_keep, -1):
                 return n_keep
-        elif self._checkpoint is not None and self._checkpoint[0] <= n_keep:
+        elif way == "checkpoint":
             n_at, data = self._checkpoint  # its recurrent state first, then the KV cache after it
             buf = (ctypes.c_uint8 * len(data)).from_buffer(data)
             if llama_cpp.llama_state_seq_set_data_ext(self._ctx, buf, len(data), 0, _CHECKPOINT) \
@@ -922,11 +930,6 @@ class Runtime:
     @property
     def n_embd(self) -> int:
         return int(llama_cpp.llama_model_n_embd_out(self._model)) or int(llama_cpp.llama_model_n_embd(self._model))
-
-    @property
-    def n_rs_seq(self) -> int:
-        """Recurrent-state snapshots per token llama.cpp granted (0: none)."""
-        return int(llama_cpp.llama_n_rs_seq(self._ctx))
 
     @property
     def max_verify(self) -> int:
@@ -1009,7 +1012,7 @@ _PARTIAL = llama_cpp.LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY
 _CHECKPOINT = _PARTIAL | llama_cpp.LLAMA_STATE_SEQ_FLAGS_ON_DEVICE
 
 
-def _memory_kind(model_ptr: Any, ctx_ptr: Any, name: str, requested: Optional[str]) -> tuple[str, str]:
+def _memory_kind(model_ptr: Any, granted: int, name: str, requested: Optional[str]) -> tuple[str, str]:
     """(memory type, rollback): "attention", "hybrid" or "recurrent", and one of ROLLBACKS."""
     if llama_cpp.llama_model_is_hybrid(model_ptr):
         memory = "hybrid"
@@ -1019,7 +1022,6 @@ def _memory_kind(model_ptr: Any, ctx_ptr: Any, name: str, requested: Optional[st
         memory = "attention"
     if memory == "attention":
         return memory, "seq_rm"
-    granted = int(llama_cpp.llama_n_rs_seq(ctx_ptr))
     if requested == "seq_rm":
         raise InvalidParameterError("rollback", requested, f"n_rs_seq, checkpoint or None for {name}: its {memory} "
                                     "memory keeps no state per position, so seq_rm cannot drop tokens from it")
