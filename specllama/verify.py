@@ -8,7 +8,7 @@ then next_token (the correction at the first rejection, or the bonus token).
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Optional
 
 import numpy as np
@@ -73,3 +73,82 @@ def speculative_verify(
             continue
         return i, sample(residual(p_i, q_i), rng)
     raise ValueError("p must have one more entry than draft_tokens")
+
+
+# --- trees ------------------------------------------------------------------------------------
+# A tree proposal lists nodes x_1..x_n with parents[i] the index of x_i's parent (-1: the
+# round's newest token, the root). The target's pass gives one row per node (p_root, then
+# p_1..p_n): the row of a node is the target's distribution for its children.
+
+
+def children_of(parents: Sequence[int]) -> dict[int, list[int]]:
+    """node -> its children, in proposal order (-1 is the root)."""
+    children: dict[int, list[int]] = {}
+    for i, parent in enumerate(parents):
+        if not -1 <= parent < i:
+            raise ValueError(f"node {i}'s parent {parent} must come before it (or be -1, the root)")
+        children.setdefault(parent, []).append(i)
+    return children
+
+
+def tree_greedy_verify(tokens: Sequence[int], parents: Sequence[int],
+                       target_argmax: Callable[[int], int]) -> tuple[list[int], int]:
+    """Walk the tree from the root, following the child whose token is the argmax of its
+    parent's row: (the accepted nodes, root to deepest, then the target's token after them).
+
+    Args:
+        tokens, parents: the tree.
+        target_argmax: argmax of a node's row (-1: the root's); asked only for nodes on the path.
+    """
+    children = children_of(parents)
+    path: list[int] = []
+    node = -1
+    while True:
+        best = target_argmax(node)
+        follow = next((c for c in children.get(node, ()) if tokens[c] == best), None)
+        if follow is None:
+            return path, best
+        path.append(follow)
+        node = follow
+
+
+def tree_speculative_verify(
+    tokens: Sequence[int],
+    parents: Sequence[int],
+    q: Sequence[Optional[Dist]],
+    p: Callable[[int], Dist],
+    rng: np.random.Generator,
+) -> tuple[list[int], int]:
+    """Recursive rejection sampling over a tree (SpecInfer's multi-candidate scheme, for
+    candidates drawn without replacement as in Jeon et al. 2024): the output is distributed
+    exactly as sampling from the target alone.
+
+    At a node, its children are tried in order. Child j, drawn from q_j (the draft's
+    distribution with the earlier siblings' tokens removed), is kept with probability
+    min(1, p(x_j) / q_j(x_j)), where p starts as the target's row and after each rejection
+    becomes the residual normalize(max(0, p - q_j)). A kept child becomes the node; when every
+    child is rejected the next token is drawn from the last residual. A q_j of None means a
+    deterministic candidate (prompt lookup): one-hot on its token.
+
+    Args:
+        tokens, parents: the tree.
+        q: per node, the distribution its token was drawn from, given its earlier siblings.
+        p: the target's distribution at a node's row (-1: the root's).
+        rng: the generator every random draw comes from.
+    """
+    children = children_of(parents)
+    path: list[int] = []
+    node = -1
+    while True:
+        p_node = p(node)
+        for child in children.get(node, ()):
+            x = tokens[child]
+            q_x_dist = q[child] if q[child] is not None else Dist.one_hot(x)
+            p_x, q_x = p_node.prob(x), q_x_dist.prob(x)
+            if rng.random() * q_x < p_x:
+                path.append(child)
+                node = child
+                break
+            p_node = residual(p_node, q_x_dist)
+        else:
+            return path, sample(p_node, rng)
