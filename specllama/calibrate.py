@@ -44,7 +44,9 @@ def probe_batch_diffs(target: Runtime, n_past: int, bound: float, max_batch: int
 
     Decodes max_batch probe tokens one at a time, then the same tokens again as one batch of
     b = 2, 3, ... tokens, comparing every row (later rows attend to the batch's own KV, so
-    the drift a batch leaves in the cache is included). Stops after the first size that
+    the drift a batch leaves in the cache is included). A target that verifies trees also
+    decodes a tree of b tokens (a chain with a sibling leaf under each of its first nodes),
+    and a size's difference is the larger of the two shapes'. Stops after the first size that
     differs by more than bound. The cache is back at n_past tokens afterwards.
     """
     max_batch = min(max_batch, target.n_ctx - n_past)  # a small context has room for fewer rows
@@ -52,12 +54,18 @@ def probe_batch_diffs(target: Runtime, n_past: int, bound: float, max_batch: int
     while len(tokens) < max_batch:
         tokens = tokens + tokens
     tokens = tokens[:max(max_batch, 0)]
+    trees = getattr(target, "n_branches", 1) > 1
+    leaves = [(tokens[(d + 7) % len(tokens)] + 1) % target.n_vocab for d in range(len(tokens))] if trees else []
     t_start = time.perf_counter()
     target.truncate(n_past)
-    single, times = [], []
+    single, times, leaf_single = [], [], []
     diffs: list[float] = []
     try:
-        for token in tokens:
+        for d, token in enumerate(tokens):
+            if trees and d > 0:  # a sibling of tokens[d], alone after tokens[:d]
+                target.decode([leaves[d]])
+                leaf_single.append(target.logits(0).copy())
+                target.truncate(n_past + d)
             t0 = time.perf_counter()
             target.decode([token])
             times.append(time.perf_counter() - t0)
@@ -69,12 +77,26 @@ def probe_batch_diffs(target: Runtime, n_past: int, bound: float, max_batch: int
             target.decode(tokens[:b], n_logits=b)
             verify_seconds.append(time.perf_counter() - t0)
             diffs.append(max(_max_abs_diff(target.logits(i), single[i]) for i in range(b)))
+            if trees and b > 2:
+                diffs[-1] = max(diffs[-1], _tree_diff(target, n_past, tokens, leaves, single, leaf_single, b))
             if diffs[-1] > bound:
                 break
     finally:
         target.truncate(n_past)
     return BatchDiffs(kv_length(n_past + 1, target.n_ctx), tuple(diffs), len(diffs) >= max_batch - 1,
                       time.perf_counter() - t_start, tuple(verify_seconds))
+
+
+def _tree_diff(target: Runtime, n_past: int, tokens: list[int], leaves: list[int], single: list,
+               leaf_single: list, b: int) -> float:
+    """Largest |difference| of a b-token tree's rows from the same rows decoded alone: a chain
+    of probe tokens, then a leaf under each of its first nodes (about half the tree, within
+    the branches the target's context has)."""
+    c = b - min(b - -(-(b + 1) // 2), target.n_branches - 1)
+    target.truncate(n_past)
+    target.decode_tree([*tokens[:c], *leaves[1:b - c + 1]], [-1, *range(c - 1), *range(b - c)])
+    chain = max(_max_abs_diff(target.logits(i), single[i]) for i in range(c))
+    return max(chain, *(_max_abs_diff(target.logits(c + j), leaf_single[j]) for j in range(b - c)))
 
 
 def batch_diffs(target: Runtime, n_past: int, bound: float) -> BatchDiffs:

@@ -226,6 +226,15 @@ class RemoteRuntime:
 
     # --- Runtime's interface ----------------------------------------------------------------
 
+    n_branches = 1  # the host verifies chains: tree batches stay on local models
+    n_pending = 0
+
+    def flush_pending(self) -> None:
+        pass
+
+    def _settle(self, path: Optional[Sequence[int]] = None) -> None:
+        pass  # no trees here: the cache always holds one sequence
+
     def decode(self, tokens: Sequence[int], *, n_logits: int = 1, aligned: bool = False) -> None:
         """As Runtime.decode; the rows land in the shared file."""
         n_past = len(self.cached)
@@ -261,7 +270,9 @@ class RemoteRuntime:
             raise IndexError(f"logit row {row} was not requested by the last decode ({self._n_rows} rows)")
         return self._pinned if self._pinned is not None else self._rows[row]
 
-    def truncate(self, n_keep: int) -> None:
+    def truncate(self, n_keep: int, path: Optional[Sequence[int]] = None) -> None:
+        if path is not None:
+            raise ValueError("a model on RPC workers verifies chains: there is no tree path to keep")
         if n_keep >= len(self.cached):
             return
         self._call("truncate", n_keep)

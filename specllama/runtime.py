@@ -396,10 +396,16 @@ class _Model:
 
 
 class _Context:
-    def __init__(self, model_ptr: Any, settings: ModelSettings, stack: ExitStack, mtp: bool = False):
+    def __init__(self, model_ptr: Any, settings: ModelSettings, stack: ExitStack, mtp: bool = False,
+                 n_seq: int = 1):
         params = llama_cpp.llama_context_default_params()
         if mtp:  # a context that runs the model's MTP layers on the target's hidden states
             params.ctx_type = llama_cpp.LLAMA_CONTEXT_TYPE_MTP
+        recurrent = llama_cpp.llama_model_is_recurrent(model_ptr) or llama_cpp.llama_model_is_hybrid(model_ptr)
+        if n_seq > 1 and not recurrent and not mtp:
+            # tree verify batches: one sequence per branch, all in one KV buffer (unified), so
+            # each sequence has the whole context and a shared prefix is stored once
+            params.n_seq_max, params.kv_unified = n_seq, True
         params.n_ctx = settings.n_ctx
         params.n_batch = settings.n_batch
         params.n_ubatch = settings.n_batch
@@ -413,7 +419,6 @@ class _Context:
         if settings.type_v is not None:
             params.type_v = KV_CACHE_TYPES[settings.type_v]
         params.no_perf = True
-        recurrent = llama_cpp.llama_model_is_recurrent(model_ptr) or llama_cpp.llama_model_is_hybrid(model_ptr)
         if recurrent and settings.rollback in (None, "n_rs_seq") and not mtp:
             params.n_rs_seq = N_RS_SEQ  # llama.cpp grants 0 to architectures without snapshots
         self.ptr = llama_cpp.llama_init_from_model(model_ptr, params)
@@ -426,9 +431,9 @@ class _Context:
 
 
 class _Batch:
-    def __init__(self, n_tokens: int, stack: ExitStack):
+    def __init__(self, n_tokens: int, stack: ExitStack, n_seq: int = 1):
         self.capacity = n_tokens
-        self.c = llama_cpp.llama_batch_init(n_tokens, 0, 1)
+        self.c = llama_cpp.llama_batch_init(n_tokens, 0, n_seq)
         stack.callback(llama_cpp.llama_batch_free, self.c)
 
     def fill(self, tokens: Sequence[int], pos0: int, n_logits: int) -> None:
@@ -440,6 +445,17 @@ class _Batch:
             c.seq_id[i][0] = 0
             c.logits[i] = i >= n - n_logits
         c.n_tokens = n
+
+    def fill_tree(self, tokens: Sequence[int], positions: Sequence[int], seqs: Sequence[Sequence[int]],
+                  n_no_logits: int = 0) -> None:
+        """A tree batch: token i at positions[i], in sequences seqs[i], logits kept for every
+        row after the first n_no_logits."""
+        c = self.c
+        for i, (token, pos, seq_ids) in enumerate(zip(tokens, positions, seqs)):
+            c.token[i], c.pos[i], c.n_seq_id[i], c.logits[i] = token, pos, len(seq_ids), i >= n_no_logits
+            for j, seq in enumerate(seq_ids):
+                c.seq_id[i][j] = seq
+        c.n_tokens = len(tokens)
 
 
 def _mtp_api() -> Any:
@@ -565,7 +581,7 @@ class Runtime:
     """
 
     def __init__(self, model_ptr: Any, ctx_ptr: Any, name: str, stack: ExitStack, identity: str = "",
-                 rollback: Optional[str] = None):
+                 rollback: Optional[str] = None, n_seq: int = 1):
         self._stack = stack
         self.name = name
         # what a measurement of this runtime depends on: file, settings, llama.cpp build
@@ -578,7 +594,17 @@ class Runtime:
         self.n_vocab = int(llama_cpp.llama_vocab_n_tokens(self._vocab))
         # llama.cpp may clamp the requested batch size (to n_ctx), so ask the context
         self.n_batch = int(llama_cpp.llama_n_batch(ctx_ptr))
-        self._batch = _Batch(self.n_batch, stack)
+        self.n_rs_seq = int(llama_cpp.llama_n_rs_seq(ctx_ptr))  # recurrent-state snapshots per token granted
+        self.memory, self.rollback = _memory_kind(model_ptr, self.n_rs_seq, name, rollback)
+        # the most branches a tree verify batch may have (1: chains only); the context was
+        # made with this many sequences in a unified KV buffer
+        self.n_branches = min(n_seq, int(llama_cpp.llama_n_seq_max(ctx_ptr))) if self.memory == "attention" else 1
+        self._batch = _Batch(self.n_batch, stack, self.n_branches)
+        # after a tree decode: (the root's position, each token's parent, the first-children
+        # branch, the number of sequences); each token's batch row
+        self._tree: Optional[tuple[int, list[int], set[int], int]] = None
+        self._row_of: Optional[list[int]] = None
+        self._n_pending = 0  # the last cached tokens, not in the KV cache yet (see _settle)
         self._n_rows = 0  # logit rows requested by the last decode
         self._pieces: dict[int, bytes] = {}
         self._grammar_tokenizer: Any = None
@@ -590,8 +616,6 @@ class Runtime:
         self._pinned: Optional[np.ndarray] = None  # logits(0) when it comes from prefill_row
         # measured by load(); None for a borrowed model, whose loading we did not see
         self.memory_use: Optional[MemoryUse] = None
-        self.n_rs_seq = int(llama_cpp.llama_n_rs_seq(ctx_ptr))  # recurrent-state snapshots per token granted
-        self.memory, self.rollback = _memory_kind(model_ptr, self.n_rs_seq, name, rollback)
         self._window: Optional[tuple[int, int]] = None  # n_rs_seq: the last batch's positions, until used
         self._checkpoint: Optional[tuple[int, bytearray]] = None  # (position, recurrent state there)
         # a rollback or sync since the last decode: the next decode keeps a checkpoint (as does
@@ -606,11 +630,13 @@ class Runtime:
 
     @classmethod
     def load(cls, path: Union[str, os.PathLike], settings: ModelSettings = ModelSettings(),
-             mtp: bool = False) -> "Runtime":
+             mtp: bool = False, n_branches: int = 1) -> "Runtime":
         """Load a GGUF file; the header is validated in Python before llama.cpp sees it.
 
         mtp=True also loads the model's MTP (nextn) layers, in a second context that follows
         every decode of this one (runtime.mtp_head); InvalidParameterError if it has none.
+        n_branches > 1 lets decode_tree verify trees of up to that many branches (attention
+        memory without MTP layers; others keep chains: runtime.n_branches says which).
         """
         path = gguf_check.validate(path)
         _init_backend()
@@ -619,11 +645,13 @@ class Runtime:
         try:
             ram0, gpu_free0 = resident_bytes(), _gpu_free()
             model = _Model(path, settings, stack, mtp)
-            ctx = _Context(model.ptr, settings, stack)
+            ctx = _Context(model.ptr, settings, stack, mtp=False, n_seq=1 if mtp else n_branches)
             stat = path.stat()
             identity = "|".join([str(path.resolve()), str(stat.st_size), str(stat.st_mtime_ns), repr(settings),
+                                 f"branches={1 if mtp else n_branches}",
                                  llama_cpp.__version__, _system_info()])
-            runtime = cls(model.ptr, ctx.ptr, path.name, stack, identity, settings.rollback)
+            runtime = cls(model.ptr, ctx.ptr, path.name, stack, identity, settings.rollback,
+                          n_seq=1 if mtp else n_branches)
             if mtp:
                 try:
                     runtime.mtp_head = MtpHead(runtime, settings, stack)
@@ -766,9 +794,14 @@ class Runtime:
         interruption the cache is rolled back to where it was (a recurrent memory with no
         checkpoint there: to an earlier point, as discard() does).
         """
-        n_past = len(self.cached)
+        self._settle()
         if not tokens:
             raise ValueError("decode needs at least one token")
+        if self._n_pending:  # they go first, in the same batch
+            tokens = [*self.cached[-self._n_pending:], *tokens]
+            del self.cached[-self._n_pending:]
+            self._n_pending = 0
+        n_past = len(self.cached)
         if n_past + len(tokens) > self.n_ctx:
             raise ContextFullError(
                 f"{self.name}: {n_past} cached + {len(tokens)} new tokens exceed the context of "
@@ -776,7 +809,7 @@ class Runtime:
             )
         if not 0 < n_logits <= min(len(tokens), self.n_batch):
             raise ValueError(f"n_logits={n_logits} must be in 1..{min(len(tokens), self.n_batch)}")
-        self._pinned = None
+        self._pinned, self._row_of = None, None
         if self.rollback != "seq_rm" and (self._revisit or len(tokens) > 1):
             self._save_checkpoint()
         self._revisit, self._window = False, None
@@ -799,6 +832,110 @@ class Runtime:
             self.discard(n_past)
             raise
 
+    def decode_tree(self, tokens: Sequence[int], parents: Sequence[int]) -> None:
+        """Decode a tree in one pass, keeping every row's logits (logits(i) is tokens[i]'s):
+        tokens[0] follows the cache (parents[0] == -1), each later token follows
+        tokens[parents[i]], an earlier one.
+
+        Each branch (root to leaf) is a sequence of its own and a token is in every sequence
+        through it, so a shared prefix is computed once and no branch sees another. Until
+        truncate(n_keep, path) keeps one path, cached holds the tokens in tree order.
+        """
+        self._settle()
+        n = len(tokens)
+        if len(parents) != n or not n or parents[0] != -1 or any(not 0 <= p < i for i, p in enumerate(parents[1:], 1)):
+            raise ValueError("a tree is tokens[0] (parent -1), then tokens whose parents come before them")
+        n_leaves = n - len(set(parents[1:]))
+        # tokens kept from an earlier tree but not yet in the KV cache go first, as its trunk
+        pending = self.cached[len(self.cached) - self._n_pending:]
+        n_pre, n_kv = len(pending), len(self.cached) - self._n_pending
+        if n_leaves > self.n_branches or n_pre + n > self.n_batch:
+            raise ValueError(f"a tree of {n} tokens and {n_leaves} branches exceeds this context's "
+                             f"{self.n_branches} branches or batch of {self.n_batch}")
+        depth = [0] * n
+        for i in range(1, n):
+            depth[i] = depth[parents[i]] + 1
+        if n_kv + n_pre + n > self.n_ctx:
+            raise ContextFullError(f"{self.name}: {len(self.cached)} cached + a tree of {n} tokens exceed the "
+                                   f"context of {self.n_ctx} tokens; raise n_ctx or shorten the prompt")
+        # the branch of first children (sequence 0, what the cache keeps of the tree) comes
+        # first in the batch, so its cells precede every other branch's: whatever is dropped
+        # afterwards, the cells kept stay in position order, as a chain's are, and later
+        # tokens fill the cells right after them (attention sums over cells in cell order)
+        chain, node = [0], 0
+        children = [[] for _ in range(n)]
+        for i in range(1, n):
+            children[parents[i]].append(i)
+        while children[node]:
+            node = children[node][0]
+            chain.append(node)
+        order = chain + [i for i in range(n) if i not in set(chain)]
+        leaves = [i for i in order if not children[i]]  # sequence k: the k-th leaf, sequence 0 the chain's
+        seqs: list[list[int]] = [[] for _ in range(n)]
+        for seq, leaf in enumerate(leaves):
+            node = leaf
+            while node != -1:
+                seqs[node].append(seq)
+                node = parents[node]
+        self._pinned, self._window = None, None
+        for seq in range(1, len(leaves)):  # each branch sees the cached prefix
+            llama_cpp.llama_memory_seq_cp(self._mem, 0, seq, -1, -1)
+        every = list(range(len(leaves)))
+        self._batch.fill_tree([*pending, *(tokens[i] for i in order)],
+                              [*range(n_kv, n_kv + n_pre), *(n_kv + n_pre + depth[i] for i in order)],
+                              [*([every] * n_pre), *(seqs[i] for i in order)], n_pre)
+        try:
+            self._check(llama_cpp.llama_decode(self._ctx, self._batch.c), n_kv, n_pre + n)
+        except BaseException:
+            for seq in range(1, len(leaves)):
+                llama_cpp.llama_memory_seq_rm(self._mem, seq, -1, -1)
+            llama_cpp.llama_memory_seq_rm(self._mem, 0, n_kv, -1)
+            del self.cached[n_kv:]  # the pending tokens too: as discard() would
+            self._n_pending, self._n_rows = 0, 0
+            raise
+        self.cached.extend(tokens)
+        self._n_pending = 0
+        self._tree = (len(self.cached) - n, list(parents), set(chain), len(leaves))
+        self._row_of = [0] * n
+        for index, i in enumerate(order):
+            self._row_of[i] = n_pre + index
+        self._n_rows = self._n_last_chunk = n
+
+    def _settle(self, path: Optional[Sequence[int]] = None) -> None:
+        """After a tree decode, keep one root-to-node path (tree indices; None: the branch of
+        first children) as what the cache holds. The KV cache keeps the path's part on that
+        branch; the tokens after it that left the branch are kept pending, decoded in front
+        of the next batch (a few rows more in it, in order like any chain)."""
+        if self._tree is None:
+            return
+        n_root, parents, chain, n_seqs = self._tree
+        self._tree, self._row_of = None, None
+        if path is None:
+            path = sorted(chain)
+        if list(path[:1]) != [0] or any(parents[b] != a for a, b in zip(path, path[1:])):
+            raise ValueError(f"{list(path)} is not a path from the tree's root")
+        for seq in range(1, n_seqs):
+            llama_cpp.llama_memory_seq_rm(self._mem, seq, -1, -1)
+        n_on_chain = next((k for k, i in enumerate(path) if i not in chain), len(path))
+        tree_tokens = self.cached[n_root:]
+        self.cached[n_root:] = [tree_tokens[i] for i in path]
+        llama_cpp.llama_memory_seq_rm(self._mem, 0, n_root + n_on_chain, -1)
+        self._n_pending = len(path) - n_on_chain
+
+    @property
+    def n_pending(self) -> int:
+        """Cached tokens not in the KV cache yet: they go in front of the next decode's batch."""
+        return self._n_pending
+
+    def flush_pending(self) -> None:
+        """Decode the pending tokens one at a time (rows bitwise a single token's)."""
+        self._settle()
+        pending = self.cached[len(self.cached) - self._n_pending:]
+        del self.cached[len(self.cached) - self._n_pending:]
+        self._n_pending = 0
+        for token in pending:
+            self.decode([token])
+
     def _check(self, status: int, pos: int, n_tokens: int) -> None:
         if status == 0:
             return
@@ -820,18 +957,20 @@ class Runtime:
             raise IndexError(f"logit row {row} was not requested by the last decode ({self._n_rows} rows)")
         if self._pinned is not None:
             return self._pinned
-        index = self._n_last_chunk - self._n_rows + row
+        index = self._row_of[row] if self._row_of is not None else self._n_last_chunk - self._n_rows + row
         ptr = llama_cpp.llama_get_logits_ith(self._ctx, index)
         if not ptr:
             raise DecodeError(f"{self.name}: llama.cpp returned no logits for batch row {index}")
         return np.ctypeslib.as_array(ptr, shape=(self.n_vocab,))
 
-    def truncate(self, n_keep: int) -> None:
+    def truncate(self, n_keep: int, path: Optional[Sequence[int]] = None) -> None:
         """Drop every cached token at position >= n_keep: the cache then holds cached[:n_keep].
 
         Where the memory cannot drop them (a recurrent state restored to an earlier
-        checkpoint), the tokens from there to n_keep are decoded again.
+        checkpoint), the tokens from there to n_keep are decoded again. After decode_tree,
+        path (batch indices from the root) is the branch kept first; n_keep cuts it.
         """
+        self._settle(path)
         if n_keep >= len(self.cached):
             return
         kept = self.cached[:n_keep]
@@ -849,9 +988,16 @@ class Runtime:
     def discard(self, n_keep: int) -> None:
         """Drop the cached tokens at position >= n_keep, and more where the memory cannot stop
         there without decoding again: afterwards cached is a prefix of cached[:n_keep]."""
+        self._settle()
         if n_keep >= len(self.cached):
             return
-        n_to = self._drop_to(n_keep)
+        n_in_kv = len(self.cached) - self._n_pending
+        if n_keep >= n_in_kv:  # only pending tokens go: the KV cache is as it was
+            n_to = n_keep
+            self._n_pending = n_keep - n_in_kv
+        else:
+            self._n_pending = 0
+            n_to = self._drop_to(n_keep)
         del self.cached[n_to:]
         if self.mtp_head is not None:
             self.mtp_head.truncate(n_to)
@@ -865,6 +1011,7 @@ class Runtime:
 
     def n_reachable(self, n_keep: int) -> int:
         """How many of the first n_keep cached tokens discard(n_keep) keeps."""
+        self._settle()
         if n_keep >= len(self.cached):
             return len(self.cached)
         return {"seq_rm": n_keep, "checkpoint": self._checkpoint[0] if self._checkpoint else 0,
@@ -954,6 +1101,7 @@ class Runtime:
         back to an earlier checkpoint.
         """
         tokens = list(tokens)
+        self._settle()
         if not 0 <= n_reuse <= len(tokens) or self.cached[:n_reuse] != tokens[:n_reuse]:
             raise ValueError(f"cannot reuse {n_reuse} cached tokens for a prompt of {len(tokens)}")
         if n_reuse == len(tokens):
@@ -973,6 +1121,11 @@ class Runtime:
 
     def save_state(self) -> SavedState:
         """A copy of this sequence's memory, to restore_state() later (llama_state_seq_get_data)."""
+        self._settle()
+        if self._n_pending:  # the state is the KV cache's: put the pending tokens in it first
+            last = self.cached.pop()
+            self._n_pending -= 1
+            self.decode([last])
         size = llama_cpp.llama_state_seq_get_size(self._ctx, 0)
         data = bytearray(size)
         n = llama_cpp.llama_state_seq_get_data(self._ctx, (ctypes.c_uint8 * size).from_buffer(data), size, 0)
@@ -983,6 +1136,7 @@ class Runtime:
     def restore_state(self, saved: SavedState) -> None:
         """Put a saved_state() back: the cache then holds saved.tokens exactly as they were."""
         self._n_rows, self._pinned = 0, None
+        self._tree, self._row_of, self._n_pending = None, None, 0
         self._checkpoint, self._window, self._revisit = None, None, True
         if self.mtp_head is not None:  # its entries were for the sequence replaced here
             self.mtp_head.truncate(0)
@@ -999,6 +1153,7 @@ class Runtime:
 
         Reuses the longest cached prefix and decodes only the rest (always at least one token).
         """
+        self._settle()
         n_common = common_prefix(self.cached, tokens)
         self.discard(min(n_common, len(tokens) - 1))  # what a checkpoint restore drops is decoded here
         self._revisit = True  # a draft comes back here after drafting: keep a checkpoint
@@ -1071,10 +1226,10 @@ def supports_gpu_offload() -> bool:
     return any(d.kind in ("gpu", "igpu") and d.rpc_endpoint is None for d in devices())
 
 
-def open_runtime(model: Any, settings: ModelSettings, mtp: bool = False) -> Runtime:
+def open_runtime(model: Any, settings: ModelSettings, mtp: bool = False, n_branches: int = 1) -> Runtime:
     """A Runtime for a GGUF path or a borrowed llama_cpp.Llama."""
     if isinstance(model, llama_cpp.Llama):
         return Runtime.borrow(model)
     if isinstance(model, (str, os.PathLike)):
-        return Runtime.load(model, settings, mtp=mtp)
+        return Runtime.load(model, settings, mtp=mtp, n_branches=n_branches)
     raise InvalidParameterError("model", model, "a .gguf path or a llama_cpp.Llama")
