@@ -538,7 +538,9 @@ def doctor_cmd(model: Optional[str], draft: str, n_ctx: int, n_threads: Optional
         mtp = draft_path == MTP
         memory = make_plan(target_path, None if mtp else draft_path, settings, None,
                            gpu_offload=report["gpu_offload"])
-        with Runtime.load(target_path, settings, mtp=mtp) as target:
+        from .engine import TREE_BRANCHES
+
+        with Runtime.load(target_path, settings, mtp=mtp, n_branches=TREE_BRANCHES) as target:
             draft_rt = target.mtp_head if mtp else Runtime.load(draft_path, settings) if draft_path else None
             try:
                 report["model"] = {**model_report(target, draft_rt), "memory_plan": memory.describe(),

@@ -57,6 +57,8 @@ class Costs:
 
 
 MIN_RATIO = 0.05  # the least measured/calibrated ratio a fit may give
+# v(n) is tabulated this far past the longest draft: a tree's siblings add rows to a round
+TREE_ROWS = 18
 
 
 class OnlineCosts:
@@ -81,6 +83,7 @@ class OnlineCosts:
         self._one: deque = deque(maxlen=window)  # [measured / calibrated v(1), the line's level then]
         self._batches: deque = deque(maxlen=4 * window)  # (n, measured / calibrated v(n)), n >= 2
         self._draft: deque = deque(maxlen=window)
+        self._catch_up: deque = deque(maxlen=window)  # the draft's seconds per token in a batch
         self._last_one = 0  # n_observed when v(1) was last measured
         self._line: Optional[tuple[float, float, int, int]] = None  # cached fit
         self.n_observed = 0
@@ -111,6 +114,17 @@ class OnlineCosts:
     def observe_draft_step(self, seconds: float) -> None:
         if not self.frozen and seconds > 0:
             self._draft.append(seconds)
+
+    def observe_catch_up(self, n_tokens: int, seconds: float) -> None:
+        """The draft decoded n_tokens at once (its prefill, or catching up) in seconds."""
+        if not self.frozen and n_tokens >= 2 and seconds > 0:
+            self._catch_up.append(seconds / n_tokens)
+
+    @property
+    def catch_up_token(self) -> float:
+        """The draft's seconds per token decoded in a batch; a single token's cost until measured
+        (no less: a catch-up assumed cheap would send rounds to the draft that lookup serves)."""
+        return statistics.median(self._catch_up) if self._catch_up else self.draft_token
 
     def _fit(self) -> tuple[float, float, int, int]:
         """(intercept, slope, n_lo, n_hi) of the ratio line over measured sizes n_lo..n_hi."""
@@ -154,7 +168,8 @@ class OnlineCosts:
     def as_dict(self) -> dict:
         v = self.table(16)
         return {"v_ms": {n: round(float(v[n]) * 1000, 2) for n in (1, 2, 3, 4, 6, 8, 12, 16)},
-                "draft_token_ms": round(self.draft_token * 1000, 2), "n_observed": self.n_observed,
+                "draft_token_ms": round(self.draft_token * 1000, 2),
+                "draft_catch_up_token_ms": round(self.catch_up_token * 1000, 3), "n_observed": self.n_observed,
                 "frozen": self.frozen}
 
 
@@ -251,13 +266,14 @@ def _non_decreasing(y: np.ndarray, weight: np.ndarray) -> np.ndarray:
 
 class FixedDraft:
     """Always draft k tokens from the draft model (or fewer when the context or the fidelity
-    limit says so); prompt lookup goes first on long matches only when asked to."""
+    limit says so); prompt lookup goes first on long matches only when asked to. width > 1
+    verifies a tree: width - 1 of the draft's next-best tokens beside each drafted one."""
 
-    def __init__(self, k: int, *, has_draft: bool = True, lookup: bool = False):
-        self.limit = k
+    def __init__(self, k: int, *, has_draft: bool = True, lookup: bool = False, width: int = 1):
+        self.limit, self.width = k, width
         self.has_draft, self.lookup = has_draft, lookup
 
-    def plan(self, k_cap: int, n_match: int, n_lookup: int) -> tuple[str, int]:
+    def plan(self, k_cap: int, n_match: int, n_lookup: int, lag: tuple[int, bool] = (0, False)) -> tuple[str, int]:
         k = min(self.limit, k_cap)
         if k <= 0:
             return "none", 0
@@ -268,12 +284,18 @@ class FixedDraft:
     def draft_more(self, confidences: list[float]) -> str:
         return "more"
 
+    def sibling(self, confidence: float) -> bool:
+        return True
+
+    def lookup_node(self, depth: int) -> bool:
+        return self.lookup
+
     def observe(self, source: str, proposal: Any, new: list[int], t_verify: float, offer: list[int],
                 greedy: bool, n_verify: Optional[int] = None) -> None:
         pass
 
     def as_dict(self) -> dict:
-        return {"kind": "fixed", "n_draft": self.limit}
+        return {"kind": "fixed", "n_draft": self.limit, **({"width": self.width} if self.width > 1 else {})}
 
 
 class Controller:
@@ -285,27 +307,32 @@ class Controller:
         has_draft, lookup: which sources exist.
         acceptance: the draft's Acceptance, shared across generations like costs (None: new).
         clock: seconds now; the gaps between draft_more calls time the draft's steps.
+        width: the most candidates a round may verify at one position (1: chains only).
+        n_tokens: the most tokens the generation may produce (spreads the draft's prefill).
     """
 
     def __init__(self, costs: OnlineCosts, limit: int, *, has_draft: bool, lookup: bool,
-                 acceptance: Optional[Acceptance] = None, clock: Callable[[], float] = time.perf_counter):
-        self.costs, self.limit, self.clock = costs, limit, clock
+                 acceptance: Optional[Acceptance] = None, clock: Callable[[], float] = time.perf_counter,
+                 width: int = 1, n_tokens: int = 256):
+        self.costs, self.limit, self.clock, self.width = costs, limit, clock, width
+        self.n_left = n_tokens
         self.has_draft, self.lookup = has_draft, lookup
         self.draft_acceptance = acceptance if acceptance is not None else Acceptance()
         self.draft_acceptance.new_text()
         self.lookup_hits = np.zeros(5)  # by match length 2, 3, 4+ (index = min(n, 4))
         self.lookup_seen = np.zeros(5)
-        self._v = costs.table(limit + 1)
+        self._v = costs.table(limit + TREE_ROWS)
         self._c_d = costs.draft_token
         self._round: Optional[_Round] = None
         self._match = 0  # n-gram length behind this round's lookup proposal
 
-    def _best_draft_rate(self, alpha: float, k_max: int, c_d: Optional[float] = None) -> tuple[float, int]:
+    def _best_draft_rate(self, alpha: float, k_max: int, c_d: Optional[float] = None,
+                         extra: float = 0.0) -> tuple[float, int]:
         if k_max <= 0:
             return 0.0, 0
         ks = np.arange(1, k_max + 1)
         expected = 1.0 + np.cumsum(alpha ** ks)
-        rates = expected / (ks * (self._c_d if c_d is None else c_d) + self._v[ks + 1])
+        rates = expected / (ks * (self._c_d if c_d is None else c_d) + self._v[ks + 1] + extra)
         best = int(np.argmax(rates))
         return float(rates[best]), best + 1
 
@@ -313,8 +340,19 @@ class Controller:
         i = min(n_match, 4)
         return float((self.lookup_hits[i] + 0.5 * 2.0) / (self.lookup_seen[i] + 2.0))
 
-    def plan(self, k_cap: int, n_match: int, n_lookup: int) -> tuple[str, int]:
-        """The source ("none", "draft", "lookup") and most tokens to draft this round."""
+    def lag_cost(self, n_lag: int, prefill: bool) -> float:
+        """Seconds of draft decoding a draft round must pay before its first draft, beyond the
+        one token every round feeds it: catching up with tokens other sources proposed, in
+        full; its prefill, spread over the tokens the generation may still produce (a
+        one-time cost, worth paying where the draft will serve many rounds)."""
+        seconds = max(0, n_lag - 1) * self.costs.catch_up_token
+        if prefill:
+            seconds *= (1.0 + self.draft_acceptance.mean()) / max(self.n_left, 1)
+        return seconds
+
+    def plan(self, k_cap: int, n_match: int, n_lookup: int, lag: tuple[int, bool] = (0, False)) -> tuple[str, int]:
+        """The source ("none", "draft", "lookup") and most tokens to draft this round; lag is
+        the draft's (tokens to decode before drafting, whether its prefill is among them)."""
         k_cap = min(k_cap, self.limit)
         self._round, self._match = None, n_match
         best, choice = 1.0 / self._v[1], ("none", 0)
@@ -323,7 +361,7 @@ class Controller:
             # against, measured: a stale one could keep speculation on where it loses
             return choice
         if self.has_draft:
-            rate, _ = self._best_draft_rate(self.draft_acceptance.mean(), k_cap)
+            rate, _ = self._best_draft_rate(self.draft_acceptance.mean(), k_cap, extra=self.lag_cost(*lag))
             if rate > best:
                 best, choice = rate, ("draft", k_cap)
         if self.lookup and n_lookup:
@@ -347,18 +385,39 @@ class Controller:
         if r.t_last is not None:
             self.costs.observe_draft_step(now - r.t_last)  # one draft decode since the last call
         r.t_last = now
-        i, v, c_d = len(confidences), r.v, self._c_d
+        # x_i's row comes after the root, x_1..x_{i-1} and the siblings verified beside them
+        i, v, c_d = len(confidences) + r.n_siblings, r.v, self._c_d
         p_all = r.p_all * self.draft_acceptance.predict(confidences[-1])
         # x_i's draft step is spent either way; keeping it costs its row in the verify pass
         if p_all < r.rate * (v[i + 1] - v[i]):
             return "drop"
-        r.p_all = p_all
+        r.p_reach, r.p_all, r.n_chain = r.p_all, p_all, len(confidences)
         # would m more drafts (each accepted at the mean rate) yield more than the rate
         # rounds achieve would in the time they take?
-        for m in range(1, r.k_max - i + 1):
+        for m in range(1, r.k_max - len(confidences) + 1):
             if p_all * r.gain[m] > r.rate * (m * c_d + v[i + 1 + m] - v[i + 1]):
                 return "more"
         return "stop"
+
+    def sibling(self, confidence: float) -> bool:
+        """Whether to verify, beside the token the draft just kept, another it gave this
+        confidence: it adds a token when its position is reached and the target picks it
+        (then the kept token was wrong), worth its row if P(reached) * P(picked) > R * row cost."""
+        r = self._round
+        return r is not None and self._worth_row(r.p_reach * self.draft_acceptance.predict(confidence))
+
+    def lookup_node(self, depth: int) -> bool:
+        """Whether prompt lookup's depth-th token (a branch beside the draft's) pays for its row."""
+        r = self._round
+        return r is not None and self._worth_row(self.lookup_alpha(self._match) ** depth)
+
+    def _worth_row(self, p_gain: float) -> bool:
+        r = self._round
+        n_rows = 1 + r.n_chain + r.n_siblings
+        if n_rows >= len(r.v) - 1 or p_gain <= r.rate * (r.v[n_rows + 1] - r.v[n_rows]):
+            return False
+        r.n_siblings += 1
+        return True
 
     def observe(self, source: str, proposal: Any, new: list[int], t_verify: float, offer: list[int],
                 greedy: bool, n_verify: Optional[int] = None) -> None:
@@ -368,11 +427,16 @@ class Controller:
         lookup offered at its start."""
         n_drafted = len(proposal.tokens)
         n_accepted = len(new) - 1
+        self.n_left -= len(new)
         self.costs.observe_verify(n_verify or n_drafted + 1, t_verify)
+        if getattr(proposal, "catch_up", (0, 0.0))[0] >= 2:
+            self.costs.observe_catch_up(*proposal.catch_up)
         self.draft_acceptance.age()
         self.lookup_hits *= self.draft_acceptance.mean_decay
         self.lookup_seen *= self.draft_acceptance.mean_decay
-        if source == "draft":
+        if source == "draft" and getattr(proposal, "parents", None) is not None:
+            self._observe_tree(proposal, new)
+        elif source == "draft":
             self.draft_acceptance.observe(proposal.confidence, n_accepted)
             if proposal.dropped is not None and greedy and n_accepted == n_drafted:
                 token, confidence = proposal.dropped  # its position was reached: new[-1] is the target's
@@ -388,11 +452,24 @@ class Controller:
             i = min(self._match, 4)
             self.lookup_seen[i] += n_judged
             self.lookup_hits[i] += n_judged - (offer[n_judged - 1] != new[n_judged - 1])
-        self._v = self.costs.table(self.limit + 1)
+        self._v = self.costs.table(self.limit + TREE_ROWS)
         self._c_d = self.costs.draft_token
 
+    def _observe_tree(self, proposal: Any, new: list[int]) -> None:
+        """Judge every node whose parent the round reached: kept if on the accepted path. The
+        draft's chain counts toward its mean acceptance; siblings only calibrate confidence."""
+        node, on_path, first = -1, {-1}, {}
+        for i, parent in enumerate(proposal.parents):
+            first.setdefault(parent, i)
+        for token in new[:-1]:
+            node = next(i for i, (t, p) in enumerate(zip(proposal.tokens, proposal.parents)) if p == node and t == token)
+            on_path.add(node)
+        for i, (parent, c) in enumerate(zip(proposal.parents, proposal.confidence)):
+            if parent in on_path and c == c:  # reached, and drafted (lookup's have no confidence)
+                self.draft_acceptance.judge(c, i in on_path, proposed=first[parent] == i)
+
     def as_dict(self) -> dict:
-        return {"kind": "auto", "draft_model": self.has_draft, "lookup": self.lookup,
+        return {"kind": "auto", "width": self.width, "draft_model": self.has_draft, "lookup": self.lookup,
                 "draft_acceptance": round(self.draft_acceptance.mean(), 3),
                 "acceptance_by_confidence": self.draft_acceptance.as_dict(), **self.costs.as_dict()}
 
@@ -404,4 +481,7 @@ class _Round:
     v: list[float]  # v[n]: the target's cost to verify n tokens
     rate: float  # tokens per second rounds are expected to achieve
     p_all: float = 1.0  # chance every draft so far is accepted
+    p_reach: float = 1.0  # chance the latest draft's position is reached
+    n_chain: int = 0  # drafts kept so far
+    n_siblings: int = 0  # tree nodes beside the chain: more verify rows
     t_last: Optional[float] = None

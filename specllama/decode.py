@@ -16,12 +16,12 @@ from typing import Any, Optional
 import numpy as np
 
 from .constraints import Constraint
-from .fidelity import Limits, near_tie, top_gap
-from .proposers import EMPTY, Proposal, Proposer
+from .fidelity import Limits, kv_length, near_tie, top_gap
+from .proposers import EMPTY, Proposal, Proposer, TreeShape
 from .runtime import Runtime
 from .sampling import SamplingSettings, distribution, greedy, top_candidates
 from .stats import Stats
-from .verify import greedy_verify, speculative_verify
+from .verify import greedy_verify, speculative_verify, tree_greedy_verify, tree_speculative_verify
 
 
 @dataclass(frozen=True)
@@ -81,39 +81,46 @@ def generate_steps(
             t0 = time.perf_counter()
             limits.reach(n_past)
             n_verify_max = limits.max_batch(n_past) if proposer is not None else 1
+            n_pending = _pending_rows(target, n_past, n_verify_max)
             t1 = time.perf_counter()
             # 2. propose from the source and as far as the policy wants, within limits and context;
             # tokens the grammar forces come first, for free, and the source continues after them
             source, n_draft, proposal, offer, forced = "none", 0, EMPTY, [], []
             if proposer is not None:
-                k_cap = min(target.n_ctx - len(tokens), n_verify_max - 1, target.max_verify - 1)
+                k_cap = min(target.n_ctx - len(tokens), n_verify_max - 1, target.max_verify - 1) - n_pending
                 forced = constraint.forced(k_cap) if constraint is not None else []
                 context = [*tokens, *forced]
                 with _exploring(constraint, forced):
                     n_match, offer = proposer.lookup_offer(context, k_cap - len(forced))
-                    source, n_draft = policy.plan(k_cap - len(forced), n_match, len(offer))
+                    source, n_draft = policy.plan(k_cap - len(forced), n_match, len(offer),
+                                                  proposer.draft_lag(context))
                     if n_draft > 0:
                         proposal = proposer.propose(context, source, n_draft, sampling, rng, policy.draft_more,
-                                                    constraint)
+                                                    constraint, _shape(policy, target, k_cap, constraint), offer)
                         if constraint is not None:  # a token the grammar forbids is never accepted
                             proposal = _within(proposal, constraint.n_valid(proposal.tokens))
             drafted, proposal = proposal, _after(forced, proposal)
             t2 = time.perf_counter()
             # 3. verify: one target pass over [newest token, x_1..x_k], logits for all k+1 rows
-            target.decode([tokens[-1], *proposal.tokens], n_logits=len(proposal.tokens) + 1)
+            # (a tree: each branch a sequence of its own, so no branch sees another)
+            if proposal.parents is None:
+                target.decode([tokens[-1], *proposal.tokens], n_logits=len(proposal.tokens) + 1)
+            else:
+                target.decode_tree([tokens[-1], *proposal.tokens], [-1, *(p + 1 for p in proposal.parents)])
             t3 = time.perf_counter()
-            # 4. accept the agreeing prefix plus one target token
-            n_accepted, next_token, rows = _verify(target, proposal, sampling, rng, constraint)
+            # 4. accept the agreeing prefix (a tree: the longest agreeing path) plus one target token
+            path, next_token, rows = _verify(target, proposal, sampling, rng, constraint)
+            n_accepted, path_rows = len(path), [0, *(i + 1 for i in path)]
             if first_gap is not None:
                 _judge_first_row(first_gap, limits.tolerance(n_past, 1), stats)
                 first_gap = None
             if sampling.greedy and (proposer is not None or limits.reuse is not None):
-                _count_near_ties(rows, limits.tolerance(n_past, len(proposal.tokens) + 1),
+                _count_near_ties(rows, limits.tolerance(n_past - n_pending, n_pending + len(proposal.tokens) + 1),
                                  len(tokens) - len(prompt), stats)
-            new = [*proposal.tokens[:n_accepted], next_token]
-            step = Step(new, n_accepted, _logprobs(target, new, n_logprobs))
+            new = [*(proposal.tokens[i] for i in path), next_token]
+            step = Step(new, n_accepted, _logprobs(target, new, n_logprobs, path_rows))
             # 5. roll the target back to what was accepted
-            target.truncate(n_past + 1 + n_accepted)
+            target.truncate(n_past + 1 + n_accepted, path_rows if proposal.parents is not None else None)
             tokens.extend(new)
             t4 = time.perf_counter()
             stats.t_calibrate += t1 - t0
@@ -121,15 +128,17 @@ def generate_steps(
             stats.t_verify += t3 - t2
             stats.t_rollback += t4 - t3
             stats.record_round(len(proposal.tokens), n_accepted, source, len(forced))
+            if proposal.parents is not None:
+                stats.record_tree(proposal, path)
             if proposer is not None:
                 # the policy judges its own source, on the rounds that reached its drafts; what
                 # the rollback cost (a recurrent state restored and replayed) is part of the pass
                 if n_accepted >= len(forced):
                     policy.observe(source, drafted, new[len(forced):], t4 - t2, offer, sampling.greedy,
-                                   n_verify=len(proposal.tokens) + 1)
+                                   n_verify=n_pending + len(proposal.tokens) + 1)
                 else:
                     policy.observe("grammar", EMPTY, new, t4 - t2, [], sampling.greedy,
-                                   n_verify=len(proposal.tokens) + 1)
+                                   n_verify=n_pending + len(proposal.tokens) + 1)
             yield step
     finally:
         # interrupted between verify and rollback: drop the unverified rows (a recurrent memory
@@ -140,6 +149,18 @@ def generate_steps(
             stats.t_draft -= stats.t_draft_prefill
         if first_gap is not None:  # no round ran: judge the first row if the tolerance is known
             _judge_first_row(first_gap, limits.tolerance(len(prompt) - 1, 1, measure=False), stats)
+
+
+def _pending_rows(target: Runtime, n_past: int, n_verify_max: int) -> int:
+    """Rows this round's batch gives to tokens a tree round kept off its first branch (not in
+    the KV cache yet, they go in front of the batch). Where they would make the batch larger
+    than the fidelity level allows, or start it below a KV padding step, they are decoded
+    one at a time first."""
+    n = target.n_pending
+    if n and (n >= n_verify_max or kv_length(n_past - n + 1, target.n_ctx) != kv_length(n_past + 1, target.n_ctx)):
+        target.flush_pending()
+        return 0
+    return n
 
 
 def _judge_first_row(gap: float, tolerance: float, stats: Stats) -> None:
@@ -160,15 +181,36 @@ def _count_near_ties(rows: list[np.ndarray], tolerance: float, n_generated: int,
             stats.near_tie_positions.append(n_generated + i)
 
 
+def _shape(policy: Any, target: Runtime, k_cap: int, constraint: Optional[Constraint]) -> Optional[TreeShape]:
+    """How far this round may branch: trees need a target that verifies them and no constraint
+    (a grammar's state follows one path)."""
+    width = getattr(policy, "width", 1)
+    if width <= 1 or target.n_branches <= 1 or constraint is not None:
+        return None
+    return TreeShape(width, k_cap, target.n_branches, policy.sibling, policy.lookup_node)
+
+
 def _verify(target: Runtime, proposal: Proposal, sampling: SamplingSettings, rng: np.random.Generator,
-            constraint: Optional[Constraint]) -> tuple[int, int, list[np.ndarray]]:
-    """(n_accepted, next_token, the rows the verifier read, as tokens were chosen from them).
+            constraint: Optional[Constraint]) -> tuple[list[int], int, list[np.ndarray]]:
+    """(the accepted drafts' indices, next_token, the rows the verifier read, as tokens were
+    chosen from them, in path order).
 
     Under a constraint, row i is shaped after x_1..x_{i-1}: the verifier asks for row i only
     once it has accepted x_{i-1}, which the constraint then consumes; the round's last token
     is consumed last, so the constraint ends holding exactly the accepted tokens.
     """
     seen: list[np.ndarray] = []
+    if proposal.parents is not None:  # a tree (never under a constraint): walk it
+        def row(node: int) -> np.ndarray:
+            seen.append(target.logits(node + 1))
+            return seen[-1]
+
+        if sampling.greedy:
+            path, next_token = tree_greedy_verify(proposal.tokens, proposal.parents, lambda node: greedy(row(node)))
+        else:
+            path, next_token = tree_speculative_verify(proposal.tokens, proposal.parents, proposal.q,
+                                                       lambda node: distribution(row(node), sampling), rng)
+        return path, next_token, seen
 
     def rows() -> Iterator[np.ndarray]:
         for i in range(len(proposal.tokens) + 1):
@@ -186,7 +228,7 @@ def _verify(target: Runtime, proposal: Proposal, sampling: SamplingSettings, rng
                                                     (distribution(row, sampling) for row in rows()), rng)
     if constraint is not None:
         constraint.accept(next_token)
-    return n_accepted, next_token, seen
+    return list(range(n_accepted)), next_token, seen
 
 
 @contextmanager
@@ -219,13 +261,15 @@ def _within(proposal: Proposal, n: int) -> Proposal:
                     proposal.confidence[:n])
 
 
-def _logprobs(target: Runtime, tokens: list[int], n_top: Optional[int]) -> Optional[list]:
-    """Each token's log-probability in its row of the last decode, with the row's top n_top."""
+def _logprobs(target: Runtime, tokens: list[int], n_top: Optional[int],
+              rows: Optional[Sequence[int]] = None) -> Optional[list]:
+    """Each token's log-probability in its row of the last decode (token i's is rows[i], or
+    row i), with the row's top n_top."""
     if n_top is None:
         return None
     out = []
-    for i, token in enumerate(tokens):  # token i was chosen from row i
-        row = target.logits(i).astype(np.float64)
+    for i, token in enumerate(tokens):
+        row = target.logits(rows[i] if rows is not None else i).astype(np.float64)
         m = row.max()
         logp = row - (m + math.log(np.exp(row - m).sum()))
         top = top_candidates(logp, n_top) if n_top else []

@@ -88,11 +88,12 @@ def memory_report(target: runtime.Runtime) -> dict:
     target.truncate(0)
     return {"type": target.memory, "rollback": target.rollback, "n_rs_seq": target.n_rs_seq,
             "checkpoint_bytes": n_checkpoint, "mtp_layers": target.n_nextn,
-            "mtp_loaded": target.mtp_head is not None}
+            "mtp_loaded": target.mtp_head is not None, "tree_branches": target.n_branches}
 
 
 def describe_memory(m: dict) -> list[str]:
-    """Two lines for `specllama doctor`: the rollback a model gets and its MTP heads."""
+    """Three lines for `specllama doctor`: the rollback a model gets, its MTP heads, and
+    whether verify batches may be trees."""
     rollback = {
         "seq_rm": "seq_rm (rejected tokens leave the KV cache for free)",
         "n_rs_seq": f"n_rs_seq ({m['n_rs_seq']} per-token snapshots of the recurrent state; a "
@@ -104,7 +105,11 @@ def describe_memory(m: dict) -> list[str]:
             "recurrent": "recurrent state"}[m["type"]]
     mtp = (f"{m['mtp_layers']} MTP (nextn) layer(s): --draft mtp drafts with them, no second model"
            + ("" if m["mtp_loaded"] else "; --draft auto prefers them") if m["mtp_layers"] else "none")
-    return [f"memory: {kind}; rollback: {rollback}", f"MTP heads: {mtp}"]
+    trees = (f"yes, up to {m['tree_branches']} branches in one pass (each a sequence in one KV buffer); "
+             "the verify limits below cover chains and trees" if m.get("tree_branches", 1) > 1 else
+             "no, chains only (" + ("a recurrent state is one per sequence" if m["type"] != "attention"
+                                    else "MTP layers follow one sequence") + ")")
+    return [f"memory: {kind}; rollback: {rollback}", f"MTP heads: {mtp}", f"tree verify: {trees}"]
 
 
 def verdict(costs, k_max: int, has_draft: bool) -> str:
@@ -119,6 +124,8 @@ def verdict(costs, k_max: int, has_draft: bool) -> str:
                 f"two, the draft {costs.draft_token * 1000:.0f} ms a token, so even an always-right draft is "
                 f"slower than plain decoding; prompt lookup can still pay on edits")
     best = max((k + 1) * costs.v(1) / (k * costs.draft_token + costs.v(k + 1)) for k in range(1, k_max + 1))
+    row = (costs.v(min(6, k_max + 1)) - costs.v(2)) / max(min(6, k_max + 1) - 2, 1) * 1000
     return (f"a draft can pay here: one token costs {v1:.0f} ms and verifying two {v2:.0f} ms, the draft "
             f"{costs.draft_token * 1000:.0f} ms a token; with every draft accepted it would run {best:.1f}x plain "
-            f"speed, and real gains follow the acceptance")
+            f"speed, and real gains follow the acceptance. Each further verify row costs about {row:.0f} ms "
+            f"({row / v1:.0%} of a token): a tree's sibling pays where it is picked more often than that")

@@ -39,6 +39,8 @@ log = logging.getLogger("specllama")
 Prompt = Union[str, Sequence[int]]
 MAX_N_DRAFT = 32
 MAX_AUTO_DRAFT = 16  # the controller's longest draft; costs are measured up to this
+TREE_BRANCHES = 8  # the most branches of a tree verify batch (sequences of the target's context)
+AUTO_WIDTH = 3  # candidates per position the controller may verify, in auto mode
 # saved prompt-cache states in RAM, target and draft together: a few conversations of a few
 # thousand tokens for models of a few billion parameters (Qwen2.5-1.5B: 28 KiB a token at f16)
 PROMPT_CACHE_MB = 1024
@@ -101,6 +103,7 @@ class _Request:
     level: Level
     constraint: Optional[Constraint] = None  # this request's own: its state follows the text
     n_logprobs: Optional[int] = None
+    tree: Union[int, str] = "auto"
 
     @property
     def seeded(self) -> bool:
@@ -117,10 +120,11 @@ class SpecLlama:
 
     def __init__(self, target: Runtime, draft: Optional[Runtime] = None, *, n_draft: Union[int, str] = "auto",
                  exact: Union[str, float, bool] = "rounding", lookup: Optional[bool] = None,
-                 prompt_cache_mb: float = PROMPT_CACHE_MB):
+                 prompt_cache_mb: float = PROMPT_CACHE_MB, tree: Union[int, str, bool] = "auto"):
         self.target = target
         self.draft = draft
         self.n_draft = _check_n_draft(n_draft)
+        self.tree = self._check_tree(tree)
         self.level = parse_level(exact)
         if lookup is not None and not isinstance(lookup, bool):
             raise InvalidParameterError("lookup", lookup, "True, False or None (beside a draft model in auto mode)")
@@ -346,7 +350,8 @@ class SpecLlama:
                  n_draft: Union[None, int, str] = None, exact: Union[None, str, float, bool] = None,
                  grammar: Any = None, json_schema: Any = None, logit_bias: Optional[dict] = None,
                  repeat_penalty: float = 1.0, frequency_penalty: float = 0.0, presence_penalty: float = 0.0,
-                 penalty_last_n: int = 64, logprobs: Optional[int] = None) -> _Request:
+                 penalty_last_n: int = 64, logprobs: Optional[int] = None,
+                 tree: Union[None, int, str, bool] = None) -> _Request:
         if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
             raise InvalidParameterError("max_tokens", max_tokens, "an integer >= 1")
         if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or seed < 0):
@@ -362,7 +367,23 @@ class SpecLlama:
         level = self.level if exact is None else parse_level(exact)
         constraint = self._constraint(grammar, json_schema, logit_bias,
                                       Penalties(repeat_penalty, frequency_penalty, presence_penalty, penalty_last_n))
-        return _Request(prompt, sampling, max_tokens, seed, stops, n_draft, level, constraint, logprobs)
+        tree = self.tree if tree is None else self._check_tree(tree)
+        return _Request(prompt, sampling, max_tokens, seed, stops, n_draft, level, constraint, logprobs, tree)
+
+    def _check_tree(self, tree: Any) -> Union[int, str]:
+        """"auto", or the candidates per position (1: chains); True/False mean "auto"/1."""
+        if tree is True or tree == "auto":
+            return "auto"
+        if tree is False:
+            return 1
+        if isinstance(tree, bool) or not isinstance(tree, int) or not 1 <= tree <= TREE_BRANCHES:
+            raise InvalidParameterError("tree", tree, f'"auto" (default), 1 for chains only, or the candidates '
+                                        f"to verify per position, 2..{TREE_BRANCHES}")
+        if tree > 1 and getattr(self.target, "n_branches", 1) <= 1:
+            why = "MTP layers" if getattr(self.target, "mtp_head", None) is not None else \
+                f"{getattr(self.target, 'memory', 'remote')} memory, or a model this process does not host"
+            raise InvalidParameterError("tree", tree, f'1 or "auto": {self.target.name} verifies chains only ({why})')
+        return tree
 
     def _constraint(self, grammar: Any, json_schema: Any, logit_bias: Optional[dict],
                     penalties: Penalties) -> Optional[Constraint]:
@@ -375,7 +396,8 @@ class SpecLlama:
                                 grammar=parsed)
         return constraint if constraint.active else None
 
-    def _policy(self, n_draft: Union[int, str], level: Level, seeded: bool, greedy: bool) -> Any:
+    def _policy(self, n_draft: Union[int, str], level: Level, seeded: bool, greedy: bool,
+                tree: Union[int, str] = "auto", n_tokens: int = 256) -> Any:
         # first-use measurements decode probe text from position 0: keep the conversations first
         short = self.batch_diffs.groups.get(0)
         if (level.limited and (short is None or not short.covers(level.bound))) or \
@@ -387,7 +409,8 @@ class SpecLlama:
         limit = self._explain_short_limit(level) - 1 if level.limited else MAX_N_DRAFT
         has_draft = self.draft is not None
         if n_draft != "auto":
-            return FixedDraft(min(n_draft, limit), has_draft=has_draft, lookup=self.lookup is True)
+            return FixedDraft(min(n_draft, limit), has_draft=has_draft, lookup=self.lookup is True,
+                              width=tree if isinstance(tree, int) else 1)
         if seeded:  # the same seed must give the same text: decide from the calibration alone
             costs, acceptance = OnlineCosts(self.costs(), frozen=True), Acceptance()
         else:
@@ -398,7 +421,7 @@ class SpecLlama:
         limit = min(limit, MAX_AUTO_DRAFT)
         # not even an always-right draft beats plain decoding here: leave the draft model idle
         return Controller(costs, limit, has_draft=has_draft and draft_can_pay(costs, limit), lookup=lookup,
-                          acceptance=acceptance)
+                          acceptance=acceptance, width=AUTO_WIDTH if tree == "auto" else tree, n_tokens=n_tokens)
 
     def _proposer_and_policy(self, req: _Request) -> tuple[Optional[Proposer], Any]:
         # a grammar's forced tokens are a source even where nothing else proposes
@@ -407,7 +430,7 @@ class SpecLlama:
         if not self.speculates or req.n_draft == 0:
             return forced, FixedDraft(0)
         policy = self._policy(req.n_draft, req.level, seeded=req.seeded,
-                              greedy=req.sampling.greedy)
+                              greedy=req.sampling.greedy, tree=req.tree, n_tokens=req.max_tokens)
         if not (policy.has_draft or policy.lookup):
             return forced, FixedDraft(0)
         draft = DraftModelProposer(self.draft, self.draft_cache, canonical=req.seeded, follows_target=self.mtp) \
@@ -548,7 +571,7 @@ _SETTING_NAMES = {f.name for f in fields(ModelSettings)}
 def load(target: Any, draft: Any = None, *, n_draft: Union[int, str] = "auto",
          exact: Union[str, float, bool] = "rounding",
          lookup: Optional[bool] = None, check_memory: bool = True, prompt_cache_mb: float = PROMPT_CACHE_MB,
-         **model_settings: Any) -> SpecLlama:
+         tree: Union[int, str, bool] = "auto", **model_settings: Any) -> SpecLlama:
     """Load a target model and an optional draft of the same family.
 
     Args:
@@ -563,6 +586,12 @@ def load(target: Any, draft: Any = None, *, n_draft: Union[int, str] = "auto",
         lookup: prompt lookup (n-grams of prompt + output) as a source of drafts. None
             (default): in auto mode, weighed beside the draft model every round; True: also
             with a fixed n_draft (first on long matches) or with no draft model; False: never.
+        tree: "auto" (default): in auto mode a round may verify, beside each drafted token,
+            up to 2 next-best draft tokens and prompt lookup's continuation, as a tree in one
+            target pass, where the measured cost of verify rows says it pays. An integer w:
+            that many candidates per drafted position (with a fixed n_draft: at every one).
+            1: chains only. Trees need an attention-only target on this machine; others
+            verify chains.
         prompt_cache_mb: RAM for saved prompt-cache states (MiB, target and draft together):
             conversations a call switched away from, restored when they come back. The live
             sequence in each context is reused whatever this is; 0 keeps nothing else.
@@ -633,7 +662,8 @@ def load(target: Any, draft: Any = None, *, n_draft: Union[int, str] = "auto",
         if mtp and (target_host is not None or not _is_ref(target)):
             raise InvalidParameterError("draft", draft, "used with a GGUF path or Hub reference on this machine; "
                                         "a llama_cpp.Llama or a target on RPC workers cannot load its MTP layers")
-        target_rt = target_host.load(target) if target_host else open_runtime(target, target_settings, mtp=mtp)
+        target_rt = target_host.load(target) if target_host else \
+            open_runtime(target, target_settings, mtp=mtp, n_branches=TREE_BRANCHES)
         opened.append(target_rt)
         draft_rt = None
         if mtp:
@@ -644,7 +674,7 @@ def load(target: Any, draft: Any = None, *, n_draft: Union[int, str] = "auto",
             draft_rt = draft_host.load(draft) if draft_host else open_runtime(draft, draft_settings)
             opened.append(draft_rt)
         return SpecLlama(target_rt, draft_rt, n_draft=n_draft, exact=exact, lookup=lookup,
-                         prompt_cache_mb=prompt_cache_mb)
+                         prompt_cache_mb=prompt_cache_mb, tree=tree)
     except BaseException:
         for handle in reversed(opened):
             handle.close()

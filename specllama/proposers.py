@@ -3,24 +3,34 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import NamedTuple, Optional
 
 import numpy as np
 
 from .constraints import Constraint
 from .prompt_cache import PromptCache
-from .runtime import Runtime
-from .sampling import Dist, SamplingSettings, distribution, greedy, sample
+from .runtime import Runtime, common_prefix
+from .sampling import Dist, SamplingSettings, distribution, greedy, sample, top_candidates
 
 
 class Proposal(NamedTuple):
-    """Drafted tokens and, for sampling, the distributions q_i they were drawn from."""
+    """Drafted tokens and, for sampling, the distributions q_i they were drawn from.
+
+    A chain (parents None) proposes x_1..x_k in order. A tree gives each token its parent's
+    index (-1: the round's newest token); a node's children are tried in the order listed,
+    and a child's q is the distribution it was drawn from given its earlier siblings. The
+    first child of each node is the draft's own chain.
+    """
 
     tokens: list[int]
     q: Optional[list[Optional[Dist]]] = None  # None: deterministic proposals (greedy or lookup)
-    confidence: Sequence[float] = ()  # the draft model's probability of each token it drafted
+    confidence: Sequence[float] = ()  # the draft model's probability of each token (NaN: lookup's)
     dropped: Optional[tuple[int, float]] = None  # a token drafted but not proposed, with its confidence
+    parents: Optional[list[int]] = None
+    # what the draft model decoded before drafting (its prefill, or catching up with tokens
+    # other sources proposed): tokens and seconds
+    catch_up: tuple[int, float] = (0, 0.0)
 
 
 EMPTY = Proposal([])
@@ -28,6 +38,61 @@ EMPTY = Proposal([])
 # After the draft picks x_i: "more" (decode it, draft another), "stop" (propose x_1..x_i) or
 # "drop" (propose x_1..x_{i-1}); called with the draft's confidence in x_1..x_i.
 DraftMore = Callable[[list[float]], str]
+
+
+class TreeShape(NamedTuple):
+    """How far a round may branch: at most width candidates per position, n_nodes tokens and
+    n_branches leaves in all; sibling(confidence) says whether a next-best draft token is
+    worth its verify row, lookup_node(depth) the same for prompt lookup's tokens."""
+
+    width: int
+    n_nodes: int
+    n_branches: int
+    sibling: Callable[[float], bool]
+    lookup_node: Callable[[int], bool]
+
+
+class _Tree:
+    """A tree proposal as it is built: the draft's chain, siblings beside it, lookup's branch."""
+
+    def __init__(self, shape: TreeShape):
+        self.shape = shape
+        self.tokens: list[int] = []
+        self.parents: list[int] = []
+        self.q: list[Optional[Dist]] = []
+        self.confidence: list[float] = []
+        self.n_leaves = 1  # the chain's end
+
+    def full(self, new_branch: bool) -> bool:
+        return len(self.tokens) >= self.shape.n_nodes or (new_branch and self.n_leaves >= self.shape.n_branches)
+
+    def add(self, token: int, parent: int, q: Optional[Dist], confidence: float) -> int:
+        if parent in self.parents:  # beside an existing child: a new branch
+            self.n_leaves += 1
+        self.tokens.append(token), self.parents.append(parent), self.q.append(q), self.confidence.append(confidence)
+        return len(self.tokens) - 1
+
+    def child(self, parent: int, token: int) -> Optional[int]:
+        return next((i for i, (t, p) in enumerate(zip(self.tokens, self.parents)) if p == parent and t == token),
+                    None)
+
+    def proposal(self, sampled: bool, dropped: Optional[tuple[int, float]]) -> Proposal:
+        chain = self.parents == list(range(-1, len(self.tokens) - 1))  # nothing branched
+        return Proposal(self.tokens, self.q if sampled else None, self.confidence, dropped,
+                        None if chain else self.parents)
+
+    def merge(self, offer: Sequence[int]) -> None:
+        """Add prompt lookup's continuation: shared tokens are free, the rest a branch beside
+        the draft's where each token pays for its row."""
+        node = -1
+        for depth, token in enumerate(offer, 1):
+            found = self.child(node, token)
+            if found is not None:
+                node = found
+                continue
+            if self.full(node in self.parents) or not self.shape.lookup_node(depth):
+                return
+            node = self.add(token, node, None, float("nan"))
 
 
 class DraftModelProposer:
@@ -58,6 +123,16 @@ class DraftModelProposer:
         first round drafts, so a generation that never drafts never pays for it."""
         self._prompt = list(tokens)
 
+    def lag(self, tokens: Sequence[int]) -> tuple[int, bool]:
+        """(tokens the draft would decode before drafting after tokens, whether that includes
+        its prefill): 1 in the steady state, more after rounds from other sources."""
+        if self.follows_target:
+            return 0, False
+        have = self.draft.cached
+        if self._prompt is not None:
+            have = have[:common_prefix(have, self._prompt)]
+        return max(1, len(tokens) - common_prefix(have, tokens)), self._prompt is not None
+
     def _prefill_now(self) -> None:
         tokens, self._prompt = self._prompt, None
         t0 = time.perf_counter()
@@ -74,15 +149,17 @@ class DraftModelProposer:
 
     def propose(self, tokens: Sequence[int], n_draft: int, sampling: SamplingSettings,
                 rng: np.random.Generator, draft_more: DraftMore,
-                constraint: Optional[Constraint] = None) -> Proposal:
+                constraint: Optional[Constraint] = None, shape: Optional[TreeShape] = None) -> Proposal:
         """Draft up to n_draft tokens after tokens; under a constraint, from rows shaped as the
-        target's will be (its state is explored and rolled back)."""
-        if self._prompt is not None:
-            self._prefill_now()
+        target's will be (its state is explored and rolled back). With a shape, the draft's
+        next-best tokens at a position may be proposed beside its own, as a tree: they come
+        from the same row, so they cost verify rows but no draft step."""
+        if shape is not None and shape.width > 1 and constraint is None:
+            return self._propose_tree(tokens, n_draft, sampling, rng, draft_more, shape)
         n_draft = min(n_draft, self.draft.n_ctx - len(tokens) + 1)
         if n_draft <= 0:
             return EMPTY
-        self.draft.sync(tokens)
+        catch_up = self._sync(tokens)
         n_history = len(constraint.history) if constraint is not None else 0
         drafted: list[int] = []
         q: list[Optional[Dist]] = []
@@ -104,17 +181,93 @@ class DraftModelProposer:
                 if decision == "drop":
                     dropped = (x, confidence.pop())
                     del q[len(drafted):]
-                    return Proposal(drafted, q or None, confidence, dropped)
+                    return Proposal(drafted, q or None, confidence, dropped, catch_up=catch_up)
                 drafted.append(x)
                 if decision == "stop" or i + 1 == n_draft:
                     break
                 if constraint is not None:  # the next row is shaped after x
                     constraint.accept(x)
                 self.draft.decode([x])
-            return Proposal(drafted, q or None, confidence)
+            return Proposal(drafted, q or None, confidence, catch_up=catch_up)
         finally:
             if constraint is not None:  # the constraint follows accepted tokens only
                 constraint.rollback(len(constraint.history) - n_history)
+
+
+    def _sync(self, tokens: Sequence[int]) -> tuple[int, float]:
+        """Bring the draft to tokens (prefilling it first if it has not been): what that decoded."""
+        if self.follows_target:  # fed by the target's decodes: nothing of its own to catch up
+            if self._prompt is not None:
+                self._prefill_now()
+            self.draft.sync(tokens)
+            return 0, 0.0
+        t0 = time.perf_counter()
+        n_have = common_prefix(self.draft.cached, tokens) if self._prompt is None else 0
+        if self._prompt is not None:
+            self._prefill_now()
+            n_have = self.n_prompt_cached
+        self.draft.sync(tokens)
+        return max(1, len(tokens) - n_have), time.perf_counter() - t0
+
+    def _propose_tree(self, tokens: Sequence[int], n_draft: int, sampling: SamplingSettings,
+                      rng: np.random.Generator, draft_more: DraftMore, shape: TreeShape) -> Proposal:
+        tree = _Tree(shape)
+        n_draft = min(n_draft, shape.n_nodes, self.draft.n_ctx - len(tokens) + 1)
+        if n_draft <= 0:
+            return EMPTY
+        catch_up = self._sync(tokens)
+        confidence: list[float] = []
+        parent, dropped = -1, None
+        for i in range(n_draft):
+            row = self.draft.logits(0)
+            q_i: Optional[Dist] = None
+            if sampling.greedy:
+                x = greedy(row)
+                top = _top_probability(row)
+                confidence.append(top)
+            else:
+                q_i = distribution(row, sampling)
+                x = sample(q_i, rng)
+                confidence.append(q_i.prob(x))
+            decision = draft_more(confidence)
+            if decision == "drop":
+                dropped = (x, confidence.pop())
+                break
+            node = tree.add(x, parent, q_i, confidence[-1])
+            for alt, q_alt, c_alt in _next_best(row, x, q_i, top if sampling.greedy else 0.0, shape.width - 1, rng):
+                if tree.full(True) or not shape.sibling(c_alt):
+                    break
+                tree.add(alt, parent, q_alt, c_alt)
+            parent = node
+            if decision == "stop" or i + 1 == n_draft or tree.full(False):
+                break
+            self.draft.decode([x])
+        return tree.proposal(not sampling.greedy, dropped)._replace(catch_up=catch_up)
+
+
+def _next_best(row: np.ndarray, x: int, q: Optional[Dist], top: float, n: int,
+               rng: np.random.Generator) -> Iterator[tuple[int, Optional[Dist], float]]:
+    """Up to n candidates beside x from the same draft row, best first, as (token, the
+    distribution it was drawn from given the ones before, the draft's probability of it).
+    Greedy: the next-largest logits (top: the probability of x, the largest). Sampled: draws
+    without replacement from q, each from q without the tokens before it."""
+    if n <= 0:
+        return
+    if q is None:
+        m = row[x]
+        for token in top_candidates(row, n + 1).tolist():
+            if token != x:
+                yield int(token), None, float(np.exp(row[token] - m) * top)
+        return
+    taken = [x]
+    for _ in range(n):
+        keep = ~np.isin(q.ids, taken)
+        if not keep.any() or q.probs[keep].sum() <= 0:
+            return
+        q_j = Dist(q.ids[keep], q.probs[keep] / q.probs[keep].sum())
+        token = sample(q_j, rng)
+        taken.append(token)
+        yield token, q_j, q.prob(token)
 
 
 def _top_probability(row: np.ndarray) -> float:
@@ -170,6 +323,17 @@ class PromptLookupProposer:
         return Proposal(list(tokens[start:start + n_draft]), None)
 
 
+def with_branch(proposal: Proposal, offer: Sequence[int], shape: TreeShape, sampled: bool) -> Proposal:
+    """proposal (a chain or a tree) with offer merged in from the root."""
+    tree = _Tree(shape)
+    parents = proposal.parents if proposal.parents is not None else list(range(-1, len(proposal.tokens) - 1))
+    q = proposal.q if proposal.q is not None else [None] * len(proposal.tokens)
+    for token, parent, q_i, c in zip(proposal.tokens, parents, q, proposal.confidence or [float("nan")] * len(q)):
+        tree.add(token, parent, q_i, c)
+    tree.merge(offer)
+    return tree.proposal(sampled, proposal.dropped)._replace(catch_up=proposal.catch_up)
+
+
 class Proposer:
     """Where a round's candidates come from: the draft model, prompt lookup, or both, the
     policy choosing between them each round."""
@@ -186,6 +350,10 @@ class Proposer:
         """(prompt tokens the draft model reused, seconds its prefill took); 0s if it never ran."""
         return (self.draft.n_prompt_cached, self.draft.t_prefill) if self.draft is not None else (0, 0.0)
 
+    def draft_lag(self, tokens: Sequence[int]) -> tuple[int, bool]:
+        """DraftModelProposer.lag, or (0, False) without a draft model."""
+        return self.draft.lag(tokens) if self.draft is not None else (0, False)
+
     def lookup_offer(self, tokens: Sequence[int], n_max: int) -> tuple[int, list[int]]:
         """(n-gram length of prompt lookup's match, up to n_max tokens it would propose)."""
         if self.lookup is None or n_max <= 0:
@@ -195,9 +363,15 @@ class Proposer:
 
     def propose(self, tokens: Sequence[int], source: str, n_draft: int, sampling: SamplingSettings,
                 rng: np.random.Generator, draft_more: DraftMore,
-                constraint: Optional[Constraint] = None) -> Proposal:
+                constraint: Optional[Constraint] = None, shape: Optional[TreeShape] = None,
+                offer: Sequence[int] = ()) -> Proposal:
+        """The round's proposal from source; with a shape, a tree that may take prompt
+        lookup's offer in as a branch beside the draft's."""
         if source == "draft" and self.draft is not None:
-            return self.draft.propose(tokens, n_draft, sampling, rng, draft_more, constraint)
+            proposal = self.draft.propose(tokens, n_draft, sampling, rng, draft_more, constraint, shape)
+            if shape is not None and shape.width > 1 and constraint is None and offer:
+                proposal = with_branch(proposal, offer, shape, not sampling.greedy)
+            return proposal
         if source == "lookup" and self.lookup is not None:
             return self.lookup.propose(tokens, n_draft, sampling, rng)
         return EMPTY

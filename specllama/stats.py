@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
-from typing import Optional
+from typing import Any, Optional
 
 
 @dataclass
@@ -20,8 +20,10 @@ class Stats:
     t_constraint: float = 0.0  # shaping them and advancing the grammar (inside t_draft and t_verify)
     n_generated: int = 0
     n_rounds: int = 0  # target verify passes after the prompt (plain decoding: one per token)
-    n_drafted: int = 0
+    n_drafted: int = 0  # tokens verified beside the newest one (a tree's every node)
     n_accepted: int = 0
+    n_tree_rounds: int = 0  # rounds that verified a tree (candidates beside the draft's chain)
+    n_branch_accepted: int = 0  # accepted tokens that were not the draft's own first choice
     accepted_at: list[int] = field(default_factory=list)  # [i]: drafts accepted at position i
     drafted_at: list[int] = field(default_factory=list)  # [i]: rounds that drafted position i
     # fidelity: the level, the verify-size limit rounds met per KV length, and near-ties:
@@ -74,6 +76,14 @@ class Stats:
             for i in range(n):
                 counts[i] += 1
 
+    def record_tree(self, proposal: Any, path: list[int]) -> None:
+        """A tree round whose accepted path was path (node indices)."""
+        self.n_tree_rounds += 1
+        first_children = {}
+        for i, parent in enumerate(proposal.parents):
+            first_children.setdefault(parent, i)
+        self.n_branch_accepted += sum(first_children.get(proposal.parents[i]) != i for i in path)
+
     @property
     def acceptance_rate(self) -> float:
         return self.n_accepted / self.n_drafted if self.n_drafted else 0.0
@@ -123,6 +133,8 @@ class Stats:
         if self.n_drafted:
             line += (f", acceptance {self.acceptance_rate:.0%} ({self.n_accepted}/{self.n_drafted}), "
                      f"{self.tokens_per_round:.2f} tokens/round, up to {self.n_draft_max} drafted")
+        if self.n_tree_rounds:
+            line += f", {self.n_tree_rounds} tree rounds ({self.n_branch_accepted} tokens from branches)"
         if self.rollback not in ("", "seq_rm"):
             line += f", rollback by {self.rollback} {self.t_rollback:.2f}s"
             if self.n_replayed:

@@ -12,7 +12,7 @@ from conftest import SETTINGS
 def test_two_turns_reset_ctrl_c_and_another_turn(model_paths):
     child = pexpect.spawn(sys.executable, ["-m", "specllama", "chat", str(model_paths["target"]), "--draft",
                                            str(model_paths["draft"]), "--ctx", str(SETTINGS["n_ctx"]), "--threads",
-                                           str(SETTINGS["n_threads"]), "--max-tokens", "48", "--stats"],
+                                           str(SETTINGS["n_threads"]), "--max-tokens", "400", "--stats"],
                           encoding="utf-8", timeout=180, dimensions=(40, 200))
     try:
         child.expect_exact(">>> ")
@@ -35,7 +35,9 @@ def test_two_turns_reset_ctrl_c_and_another_turn(model_paths):
         child.expect_exact(">>> ")
         child.sendline("/stats")
         child.expect(r"(\d+) tokens, ")
-        assert int(child.match.group(1)) < 48  # stopped before max_tokens
+        # stopped before max_tokens (the count is ~290 tokens: long enough that a fast round,
+        # e.g. prompt lookup's, cannot finish it before the interrupt arrives)
+        assert int(child.match.group(1)) < 280
         child.expect_exact(">>> ")
         child.sendline("Thanks. Which number came first?")
         child.expect(r"(\d+) tokens, .* tok/s")

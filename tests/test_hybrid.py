@@ -205,6 +205,8 @@ def test_doctor_says_which_rollback_a_model_gets_and_whether_it_has_mtp_heads(ti
     assert "MTP heads: 1 MTP (nextn) layer(s): --draft mtp drafts with them" in hybrid
     attention = doctor(str(tiny_paths["attention-draft"]))
     assert "rollback: seq_rm" in attention and "MTP heads: none" in attention
+    assert "tree verify: no, chains only (a recurrent state is one per sequence)" in hybrid
+    assert "tree verify: yes, up to 8 branches in one pass" in attention
 
 
 def test_a_build_without_the_mtp_functions_says_so_and_decodes_plainly(tiny_paths, expected, monkeypatch, caplog):

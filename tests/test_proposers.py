@@ -42,3 +42,33 @@ def test_incremental_index_equals_a_fresh_one():
         fresh = PromptLookupProposer()
         fresh.prefill(seq[:end])
         assert grown.propose(seq[:end], 5, GREEDY, RNG) == fresh.propose(seq[:end], 5, GREEDY, RNG)
+
+
+def test_sampled_siblings_are_drawn_without_replacement_and_say_so():
+    """Each sibling's q is the draft's distribution without the tokens drawn before it: what
+    the tree verifier needs to keep the target's distribution."""
+    import numpy as np
+
+    from specllama.proposers import _next_best
+    from specllama.sampling import Dist
+
+    q = Dist(np.array([3, 5, 7, 9]), np.array([0.4, 0.3, 0.2, 0.1]))
+    for seed in range(20):
+        drawn = list(_next_best(np.zeros(10), 5, q, 0.0, 3, np.random.default_rng(seed)))
+        tokens = [5] + [t for t, _, _ in drawn]
+        assert len(set(tokens)) == 4
+        for j, (token, q_j, c) in enumerate(drawn):
+            assert set(q_j.ids.tolist()) == set(q.ids.tolist()) - set(tokens[:j + 1])
+            assert abs(q_j.probs.sum() - 1.0) < 1e-12 and c == q.prob(token)
+
+
+def test_greedy_siblings_are_the_next_largest_logits():
+    import numpy as np
+
+    from specllama.proposers import _next_best
+
+    row = np.array([0.0, 3.0, 1.0, 2.5, -1.0])
+    top = float(np.exp(3.0) / np.exp(row).sum())
+    drawn = list(_next_best(row, 1, None, top, 2, np.random.default_rng(0)))
+    assert [t for t, _, _ in drawn] == [3, 2]
+    assert abs(drawn[0][2] - np.exp(2.5) / np.exp(row).sum()) < 1e-9
