@@ -5,7 +5,7 @@
 
 For each target, workload (a chat prompt, 128 tokens, 2 threads by default) and mode (greedy,
 or sampled at T=0.7 without a seed) it runs plain decoding, fixed draft lengths (chains from
-the draft model), a fixed tree (4 drafts, 3 candidates per position), auto (the defaults: the
+the draft model), a fixed tree (4 drafts, 2 candidates per position), auto (the defaults: the
 controller with trees and prompt lookup beside the draft model), auto with chains only, and
 prompt lookup alone, one after another, SPECLLAMA_BENCH_REPEATS times; each ratio is to the
 plain run of the same repeat, so machine drift cancels, and the median over repeats is
@@ -38,7 +38,7 @@ N_REPEATS = int(os.environ.get("SPECLLAMA_BENCH_REPEATS", "2"))
 FIXED = (2, 3, 5, 8)
 # name: (model, options); "draft" is the target with the draft model, "ngram" with prompt lookup alone
 CONFIGS = {**{f"k={k}": ("draft", dict(n_draft=k, tree=1)) for k in FIXED},
-           "tree": ("draft", dict(n_draft=4, tree=3)),
+           "tree": ("draft", dict(n_draft=4, tree=2)),
            "auto": ("draft", dict()), "auto chain": ("draft", dict(tree=1)),
            "lookup": ("ngram", dict())}
 SINGLE = [*(f"k={k}" for k in FIXED), "tree", "lookup"]  # auto is weighed against the best of these

@@ -180,6 +180,8 @@ def draft_can_pay(costs: OnlineCosts, k_max: int) -> bool:
     return k_max > 0 and bool(np.max((ks + 1) / (ks * costs.draft_token + v[ks + 1])) > 1.0 / v[1])
 
 
+N_EXPLORE = 8  # judged drafts before the controller trusts a pair's acceptance over optimism
+
 # Edges of the draft-confidence bins (the draft's probability of the token it proposes).
 CONFIDENCE_EDGES = [0.3, 0.5, 0.7, 0.8, 0.9, 0.95, 0.98]
 _BIN_PRIOR = np.array([0.15, 0.4, 0.6, 0.75, 0.85, 0.92, 0.96, 0.99])  # ~ a calibrated draft
@@ -361,7 +363,12 @@ class Controller:
             # against, measured: a stale one could keep speculation on where it loses
             return choice
         if self.has_draft:
-            rate, _ = self._best_draft_rate(self.draft_acceptance.mean(), k_cap, extra=self.lag_cost(*lag))
+            # optimistic while the pair has judged few drafts (a prior of 1 worth w tokens): a
+            # draft never tried is never learned (a pessimistic start kept a fresh load plain
+            # through whole generations of code it drafts at 80%), and one round finds out
+            untried = self.draft_acceptance.seen.sum() < N_EXPLORE
+            alpha = self.draft_acceptance.mean(prior=1.0 if untried else 0.6)
+            rate, _ = self._best_draft_rate(alpha, k_cap, extra=self.lag_cost(*lag))
             if rate > best:
                 best, choice = rate, ("draft", k_cap)
         if self.lookup and n_lookup:
@@ -404,7 +411,8 @@ class Controller:
         confidence: it adds a token when its position is reached and the target picks it
         (then the kept token was wrong), worth its row if P(reached) * P(picked) > R * row cost."""
         r = self._round
-        return r is not None and self._worth_row(r.p_reach * self.draft_acceptance.predict(confidence))
+        # the bins pool all low confidences: a 2% second choice must not borrow a 25% one's record
+        return r is not None and self._worth_row(r.p_reach * min(confidence, self.draft_acceptance.predict(confidence)))
 
     def lookup_node(self, depth: int) -> bool:
         """Whether prompt lookup's depth-th token (a branch beside the draft's) pays for its row."""

@@ -241,6 +241,8 @@ def test_online_costs_are_robust_to_one_slow_round():
 
 def test_lookup_is_chosen_when_it_is_predicted_to_yield_more():
     policy = controller(MEMORY_BOUND, lookup=True)
+    for _ in range(2):  # a pair with a record (an untried draft is tried first)
+        policy.draft_acceptance.observe([0.6] * 8, 5)
     choices = []
     offer = list(range(100, 112))  # an edit: lookup offers 12 tokens the output then copies
     for _ in range(30):
@@ -337,3 +339,39 @@ def test_fixed_draft_respects_caps_and_sources():
 def test_costs_extrapolate_linearly():
     c = Costs((10.0, 12.0, 14.0), 1.0)
     assert c.v(5) == 18.0
+
+
+# F16 on our 2-core AMD: one token 70 ms, two 110 ms, then ~8 ms a row; the 0.5B draft 19 ms a token
+F16_CPU = Costs(verify=(0.070, *(0.110 + 0.008 * (n - 2) for n in range(2, 18))), draft_token=0.019)
+
+
+def test_an_untried_draft_is_tried_and_a_poor_one_then_left_idle():
+    """At a pessimistic prior the draft would never run, and never be learned."""
+    policy = Controller(OnlineCosts(F16_CPU, frozen=True), 8, has_draft=True, lookup=False)
+    assert policy.plan(8, 0, 0)[0] == "draft"
+    for _ in range(3):
+        policy.draft_acceptance.observe([0.4] * 4, 0)  # each round: its first draft rejected
+    policy.draft_acceptance.observe([0.4] * 8, 2)
+    assert policy.plan(8, 0, 0)[0] == "none"
+
+
+def test_catching_the_draft_up_after_lookup_is_counted():
+    """An edit: lookup proposed the last 40 tokens. Drafting now means the draft decodes them
+    first; that cost decides against it, where one token behind it would draft."""
+    policy = Controller(OnlineCosts(F16_CPU, frozen=True), 8, has_draft=True, lookup=True)
+    for _ in range(2):
+        policy.draft_acceptance.observe([0.9] * 8, 7)
+    assert policy.plan(8, 0, 0, lag=(1, False))[0] == "draft"
+    assert policy.plan(8, 0, 0, lag=(40, False))[0] == "none"
+    # a prefill is paid once: spread over the tokens still to come, a short one does not stop it
+    assert policy.plan(8, 0, 0, lag=(40, True))[0] == "draft"
+
+
+def test_siblings_pay_for_their_rows_only_where_picked_often_enough():
+    policy = Controller(OnlineCosts(F16_CPU, frozen=True), 8, has_draft=True, lookup=False, width=3)
+    for _ in range(2):
+        policy.draft_acceptance.observe([0.5] * 8, 4)
+    assert policy.plan(8, 0, 0)[0] == "draft"
+    assert policy.draft_more([0.6]) != "drop"  # the draft keeps a token it gave 60%
+    assert policy.sibling(0.3)  # its second choice: a row of 8 ms against a 30% chance
+    assert not policy.sibling(0.01)
