@@ -185,6 +185,9 @@ N_EXPLORE = 8  # judged drafts before the controller trusts a pair's acceptance 
 # Edges of the draft-confidence bins (the draft's probability of the token it proposes).
 CONFIDENCE_EDGES = [0.3, 0.5, 0.7, 0.8, 0.9, 0.95, 0.98]
 _BIN_PRIOR = np.array([0.15, 0.4, 0.6, 0.75, 0.85, 0.92, 0.96, 0.99])  # ~ a calibrated draft
+# a tree's sibling (the draft's second or third choice) is picked less often than a first
+# choice of the same confidence: the target mostly agrees with the draft's first
+_SIBLING_PRIOR = np.array([0.05, 0.15, 0.3, 0.45, 0.55, 0.65, 0.75, 0.85])
 
 
 class Acceptance:
@@ -200,16 +203,26 @@ class Acceptance:
     follows the text: it decays faster, and new_text() shrinks it to a weak prior.
     """
 
-    def __init__(self, decay: float = 0.98, mean_decay: float = 0.95, prior_weight: float = 2.0):
+    def __init__(self, decay: float = 0.98, mean_decay: float = 0.95, prior_weight: float = 2.0,
+                 prior: Optional[np.ndarray] = None):
         self.decay, self.mean_decay, self.w = decay, mean_decay, prior_weight
+        self.prior = _BIN_PRIOR if prior is None else prior
         self.hits = np.zeros(len(_BIN_PRIOR))
         self.seen = np.zeros(len(_BIN_PRIOR))
         self.mean_hits, self.mean_seen = 0.0, 0.0
         self._table: Optional[np.ndarray] = None  # the monotone predictions, per bin
+        self._siblings: Optional["Acceptance"] = None
+
+    @property
+    def siblings(self) -> "Acceptance":
+        """The same calibration for the draft's next-best tokens a tree verifies beside its own."""
+        if self._siblings is None:
+            self._siblings = Acceptance(self.decay, self.mean_decay, self.w, prior=_SIBLING_PRIOR)
+        return self._siblings
 
     def predict(self, confidence: float) -> float:
         if self._table is None:
-            self._table = _non_decreasing((self.hits + _BIN_PRIOR * self.w) / (self.seen + self.w),
+            self._table = _non_decreasing((self.hits + self.prior * self.w) / (self.seen + self.w),
                                           self.seen + self.w)
         return float(self._table[bisect.bisect_right(CONFIDENCE_EDGES, confidence)])
 
@@ -229,6 +242,8 @@ class Acceptance:
             self.mean_seen = self.w
 
     def age(self) -> None:
+        if self._siblings is not None:
+            self._siblings.age()
         self.hits *= self.decay
         self.seen *= self.decay
         self.mean_hits *= self.mean_decay
@@ -412,7 +427,8 @@ class Controller:
         (then the kept token was wrong), worth its row if P(reached) * P(picked) > R * row cost."""
         r = self._round
         # the bins pool all low confidences: a 2% second choice must not borrow a 25% one's record
-        return r is not None and self._worth_row(r.p_reach * min(confidence, self.draft_acceptance.predict(confidence)))
+        return r is not None and self._worth_row(
+            r.p_reach * min(confidence, self.draft_acceptance.siblings.predict(confidence)))
 
     def lookup_node(self, depth: int) -> bool:
         """Whether prompt lookup's depth-th token (a branch beside the draft's) pays for its row."""
@@ -465,7 +481,8 @@ class Controller:
 
     def _observe_tree(self, proposal: Any, new: list[int]) -> None:
         """Judge every node whose parent the round reached: kept if on the accepted path. The
-        draft's chain counts toward its mean acceptance; siblings only calibrate confidence."""
+        draft's chain calibrates its confidence and counts toward its mean acceptance;
+        siblings calibrate their own."""
         node, on_path, first = -1, {-1}, {}
         for i, parent in enumerate(proposal.parents):
             first.setdefault(parent, i)
@@ -474,7 +491,10 @@ class Controller:
             on_path.add(node)
         for i, (parent, c) in enumerate(zip(proposal.parents, proposal.confidence)):
             if parent in on_path and c == c:  # reached, and drafted (lookup's have no confidence)
-                self.draft_acceptance.judge(c, i in on_path, proposed=first[parent] == i)
+                if first[parent] == i:
+                    self.draft_acceptance.judge(c, i in on_path, proposed=True)
+                else:
+                    self.draft_acceptance.siblings.judge(c, i in on_path, proposed=False)
 
     def as_dict(self) -> dict:
         return {"kind": "auto", "width": self.width, "draft_model": self.has_draft, "lookup": self.lookup,
