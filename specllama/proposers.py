@@ -177,7 +177,7 @@ class DraftModelProposer:
                     x = sample(q_i, rng)
                     q.append(q_i)
                     confidence.append(q_i.prob(x))
-                decision = draft_more(confidence)
+                decision = draft_more(_deciding(confidence, q[-1] if q else None))
                 if decision == "drop":
                     dropped = (x, confidence.pop())
                     del q[len(drafted):]
@@ -229,14 +229,14 @@ class DraftModelProposer:
                 q_i = distribution(row, sampling)
                 x = sample(q_i, rng)
                 confidence.append(q_i.prob(x))
-            decision = draft_more(confidence)
+            decision = draft_more(_deciding(confidence, q_i))
             if decision == "drop":
                 dropped = (x, confidence.pop())
                 break
             node = tree.add(x, parent, q_i, confidence[-1])
-            for alt, q_alt, c_alt in _next_best(row, x, q_i, top if sampling.greedy else 0.0, shape.width - 1, rng):
-                if tree.full(True) or not shape.sibling(c_alt):
-                    break
+            wanted = lambda c: not tree.full(True) and shape.sibling(c)  # noqa: E731
+            for alt, q_alt, c_alt in _next_best(row, x, q_i, top if sampling.greedy else 0.0, shape.width - 1, rng,
+                                                wanted):
                 tree.add(alt, parent, q_alt, c_alt)
             parent = node
             if decision == "stop" or i + 1 == n_draft or tree.full(False):
@@ -245,19 +245,34 @@ class DraftModelProposer:
         return tree.proposal(not sampling.greedy, dropped)._replace(catch_up=catch_up)
 
 
-def _next_best(row: np.ndarray, x: int, q: Optional[Dist], top: float, n: int,
-               rng: np.random.Generator) -> Iterator[tuple[int, Optional[Dist], float]]:
+def _deciding(confidence: list[float], q: Optional[Dist]) -> list[float]:
+    """The confidences a policy decides on after the draft picked its latest token. Sampled:
+    the latest is replaced by the probability a draw from q is expected to have. Whether a
+    sampled candidate is proposed must not depend on its own value: the verifier judges it as
+    drawn from q, and a candidate kept only where its value was likely is not (the output
+    would lean to the draft's favourites); it may depend on every earlier candidate."""
+    return confidence if q is None else [*confidence[:-1], float(np.dot(q.probs, q.probs))]
+
+
+def _next_best(row: np.ndarray, x: int, q: Optional[Dist], top: float, n: int, rng: np.random.Generator,
+               wanted: Callable[[float], bool] = lambda confidence: True) -> Iterator[tuple[int, Optional[Dist], float]]:
     """Up to n candidates beside x from the same draft row, best first, as (token, the
-    distribution it was drawn from given the ones before, the draft's probability of it).
-    Greedy: the next-largest logits (top: the probability of x, the largest). Sampled: draws
-    without replacement from q, each from q without the tokens before it."""
+    distribution it was drawn from given the ones before, the draft's probability of it),
+    while wanted(confidence) says yes, asked before each is drawn. Greedy: the next-largest
+    logits (top: the probability of x, the largest), asked with their own probability.
+    Sampled: draws without replacement from q, each from q without the tokens before it,
+    asked with the probability such a draw is expected to have (see _deciding)."""
     if n <= 0:
         return
     if q is None:
         m = row[x]
         for token in top_candidates(row, n + 1).tolist():
-            if token != x:
-                yield int(token), None, float(np.exp(row[token] - m) * top)
+            if token == x:
+                continue
+            c = float(np.exp(row[token] - m) * top)
+            if not wanted(c):
+                return
+            yield int(token), None, c
         return
     taken = [x]
     for _ in range(n):
@@ -265,6 +280,8 @@ def _next_best(row: np.ndarray, x: int, q: Optional[Dist], top: float, n: int,
         if not keep.any() or q.probs[keep].sum() <= 0:
             return
         q_j = Dist(q.ids[keep], q.probs[keep] / q.probs[keep].sum())
+        if not wanted(float(np.dot(q_j.probs, q.probs[keep]))):
+            return
         token = sample(q_j, rng)
         taken.append(token)
         yield token, q_j, q.prob(token)

@@ -228,3 +228,45 @@ def test_a_fixed_tree_on_a_model_that_verifies_chains_is_refused(tiny_paths):
         assert llm.generate("hi", max_tokens=2, tree="auto").stats.n_tree_rounds == 0
     with pytest.raises(InvalidParameterError, match="tree"):
         specllama.load(tiny_paths["attention-draft"], tree=0, **SETTINGS)
+
+
+def test_sampled_proposals_are_decided_without_looking_at_the_drawn_token(tiny_paths):
+    """Whether a sampled draft token, or a sibling, is proposed may depend on what came before
+    it, never on its own value: the verifier judges it as drawn from q, and one kept only
+    where it came out likely is not (chi-square cannot see this bias at test sizes; this can)."""
+    from specllama.proposers import TreeShape
+
+    sampling = SamplingSettings(temperature=1.0, top_k=6, top_p=1.0, min_p=0.0)
+    with Runtime.load(tiny_paths["hybrid-target"], ModelSettings(**SETTINGS, rollback="checkpoint")) as draft:
+        proposer = DraftModelProposer(draft)
+        prompt = draft.tokenize("Once upon a time")
+        proposer.prefill(prompt)
+        asked, drawn = set(), set()
+        sibling_asked: dict[int, set] = {}  # the draft's token -> what the first sibling was asked with
+        sibling_drawn: dict[int, set] = {}
+        for seed in range(24):
+            calls, sibling_calls = [], []
+
+            def draft_more(confidences):
+                calls.append(confidences[-1])
+                return "stop"
+
+            def sibling(confidence):
+                sibling_calls.append(confidence)
+                return True
+
+            shape = TreeShape(3, 8, 8, sibling, lambda depth: False)
+            proposal = proposer.propose(prompt, 1, sampling, np.random.default_rng(seed), draft_more, shape=shape)
+            x = proposal.tokens[0]
+            asked.add(round(calls[0], 12))
+            drawn.add(x)
+            sibling_asked.setdefault(x, set()).add(round(sibling_calls[0], 12))
+            sibling_drawn.setdefault(x, set()).add(proposal.tokens[1])
+            chain = proposer.propose(prompt, 1, sampling, np.random.default_rng(seed), draft_more)
+            asked.add(round(calls[-1], 12))
+            drawn.add(chain.tokens[0])
+    assert len(drawn) > 2  # the draws differ
+    assert len(asked) == 1  # the question about the draft's own token does not
+    # a sibling's question may depend on the token drawn before it, not on its own draw
+    assert all(len(values) == 1 for values in sibling_asked.values())
+    assert any(len(tokens) > 1 for tokens in sibling_drawn.values())
