@@ -210,6 +210,7 @@ class Acceptance:
         self.hits = np.zeros(len(_BIN_PRIOR))
         self.seen = np.zeros(len(_BIN_PRIOR))
         self.mean_hits, self.mean_seen = 0.0, 0.0
+        self.n_judged = 0  # drafts ever judged (never decays: whether the pair has been tried)
         self._table: Optional[np.ndarray] = None  # the monotone predictions, per bin
         self._siblings: Optional["Acceptance"] = None
 
@@ -261,6 +262,7 @@ class Acceptance:
         the round reached is judged too, against the target's own token there: without it the
         low-confidence bins would never learn, since low confidence is where drafting stops."""
         b = bisect.bisect_right(CONFIDENCE_EDGES, confidence)
+        self.n_judged += 1
         self.seen[b] += 1
         self.hits[b] += accepted
         self._table = None
@@ -381,7 +383,7 @@ class Controller:
             # optimistic while the pair has judged few drafts (a prior of 1 worth w tokens): a
             # draft never tried is never learned (a pessimistic start kept a fresh load plain
             # through whole generations of code it drafts at 80%), and one round finds out
-            untried = self.draft_acceptance.seen.sum() < N_EXPLORE
+            untried = self.draft_acceptance.n_judged < N_EXPLORE
             alpha = self.draft_acceptance.mean(prior=1.0 if untried else 0.6)
             rate, _ = self._best_draft_rate(alpha, k_cap, extra=self.lag_cost(*lag))
             if rate > best:
