@@ -30,17 +30,19 @@ def main() -> None:
     target, draft = fetch_models.path_of(args.target), fetch_models.path_of("draft")
     messages = [{"role": "user", "content": WORKLOADS[args.workload]}]
     with specllama.load(target, draft, n_ctx=2048) as pair, specllama.load(target, "ngram", n_ctx=2048) as lookup:
-        configs = [("plain", pair, 0), ("auto", pair, "auto"), ("lookup alone", lookup, "auto")]
-        configs += [(f"k={k}", pair, int(k)) for k in args.fixed.split(",")]
+        configs = [("plain", pair, 0, 1), ("auto", pair, "auto", "auto"), ("auto chains", pair, "auto", 1),
+                   ("lookup alone", lookup, "auto", 1)]
+        configs += [(f"k={k}", pair, int(k), 1) for k in args.fixed.split(",")]
         for repeat in range(args.repeats):
             rates = {}
-            for name, llm, n_draft in configs:
-                s = llm.chat(messages, max_tokens=args.tokens, n_draft=n_draft).stats
+            for name, llm, n_draft, tree in configs:
+                s = llm.chat(messages, max_tokens=args.tokens, n_draft=n_draft, tree=tree).stats
                 rates[name] = s.decode_tokens_per_second
                 n_draft_rounds = s.n_rounds - s.n_plain_rounds - s.n_lookup_rounds
                 print(f"[{repeat}] {name:12} {s.decode_tokens_per_second:6.2f} tok/s "
                       f"({rates[name] / rates['plain']:.2f}x)  rounds {s.n_rounds}: {s.n_plain_rounds} plain, "
-                      f"{s.n_lookup_rounds} lookup, {n_draft_rounds} draft; drafted {s.n_drafted}, accepted "
+                      f"{s.n_lookup_rounds} lookup, {n_draft_rounds} draft ({s.n_tree_rounds} trees, "
+                      f"{s.n_branch_accepted} tokens from branches); drafted {s.n_drafted}, accepted "
                       f"{s.n_accepted}; drafting {s.t_draft:.2f} s, verify {s.t_verify:.2f} s", flush=True)
 
 
