@@ -909,11 +909,11 @@ class Runtime:
         if self._tree is None:
             return
         n_root, parents, chain, n_seqs = self._tree
-        self._tree, self._row_of = None, None
         if path is None:
             path = sorted(chain)
-        if list(path[:1]) != [0] or any(parents[b] != a for a, b in zip(path, path[1:])):
-            raise ValueError(f"{list(path)} is not a path from the tree's root")
+        if list(path[:1]) != [0] or any(not 0 <= b < len(parents) or parents[b] != a for a, b in zip(path, path[1:])):
+            raise ValueError(f"{list(path)} is not a path from the tree's root")  # the tree stays as it was
+        self._tree, self._row_of = None, None
         for seq in range(1, n_seqs):
             llama_cpp.llama_memory_seq_rm(self._mem, seq, -1, -1)
         n_on_chain = next((k for k, i in enumerate(path) if i not in chain), len(path))

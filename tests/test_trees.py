@@ -98,9 +98,12 @@ def test_trees_are_checked(tiny_paths):
             rt.decode_tree([1, 2, 3, 4], [-1, 0, 0, 0])  # three leaves
         with pytest.raises(ValueError, match="parents"):
             rt.decode_tree([1, 2], [-1, 1])
+        n_root = len(rt.cached)
         rt.decode_tree([1, 2, 3], [-1, 0, 0])
         with pytest.raises(ValueError, match="not a path"):
             rt.truncate(len(rt.cached), [0, 2, 1])
+        rt.truncate(n_root + 2, [0, 2])  # after the error the tree is still there to keep a path of
+        assert rt.cached[n_root:] == [1, 3] and rt.n_pending == 1
     with Runtime.load(tiny_paths["hybrid-target"], ModelSettings(n_ctx=256, n_threads=2), n_branches=8) as rt:
         assert rt.n_branches == 1  # recurrent memory keeps one state per sequence: chains only
 
