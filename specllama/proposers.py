@@ -55,8 +55,8 @@ class TreeShape(NamedTuple):
 class _Tree:
     """A tree proposal as it is built: the draft's chain, siblings beside it, lookup's branch."""
 
-    def __init__(self, shape: TreeShape):
-        self.shape = shape
+    def __init__(self, shape: Optional[TreeShape]):
+        self.shape = shape  # None: a chain, as long as the draft goes
         self.tokens: list[int] = []
         self.parents: list[int] = []
         self.q: list[Optional[Dist]] = []
@@ -64,6 +64,8 @@ class _Tree:
         self.n_leaves = 1  # the chain's end
 
     def full(self, new_branch: bool) -> bool:
+        if self.shape is None:
+            return False
         return len(self.tokens) >= self.shape.n_nodes or (new_branch and self.n_leaves >= self.shape.n_branches)
 
     def add(self, token: int, parent: int, q: Optional[Dist], confidence: float) -> int:
@@ -78,7 +80,7 @@ class _Tree:
 
     def proposal(self, sampled: bool, dropped: Optional[tuple[int, float]]) -> Proposal:
         chain = self.parents == list(range(-1, len(self.tokens) - 1))  # nothing branched
-        return Proposal(self.tokens, self.q if sampled else None, self.confidence, dropped,
+        return Proposal(self.tokens, (self.q or None) if sampled else None, self.confidence, dropped,
                         None if chain else self.parents)
 
     def merge(self, offer: Sequence[int]) -> None:
@@ -149,50 +151,57 @@ class DraftModelProposer:
 
     def propose(self, tokens: Sequence[int], n_draft: int, sampling: SamplingSettings,
                 rng: np.random.Generator, draft_more: DraftMore,
-                constraint: Optional[Constraint] = None, shape: Optional[TreeShape] = None) -> Proposal:
+                constraint: Optional[Constraint] = None, shape: Optional[TreeShape] = None,
+                offer: Sequence[int] = ()) -> Proposal:
         """Draft up to n_draft tokens after tokens; under a constraint, from rows shaped as the
-        target's will be (its state is explored and rolled back). With a shape, the draft's
-        next-best tokens at a position may be proposed beside its own, as a tree: they come
-        from the same row, so they cost verify rows but no draft step."""
-        if shape is not None and shape.width > 1 and constraint is None:
-            return self._propose_tree(tokens, n_draft, sampling, rng, draft_more, shape)
+        target's will be (its state is explored and rolled back). With a shape (and no
+        constraint), the draft's next-best tokens at a position may be proposed beside its
+        own, and prompt lookup's offer merged in, as a tree: siblings come from the same row,
+        so they cost verify rows but no draft step."""
         n_draft = min(n_draft, self.draft.n_ctx - len(tokens) + 1)
         if n_draft <= 0:
             return EMPTY
         catch_up = self._sync(tokens)
+        branching = shape is not None and shape.width > 1 and constraint is None
+        tree = _Tree(shape if branching else None)
         n_history = len(constraint.history) if constraint is not None else 0
-        drafted: list[int] = []
-        q: list[Optional[Dist]] = []
         confidence: list[float] = []
+        parent, dropped = -1, None
         try:
             for i in range(n_draft):
                 row = self.draft.logits(0)
                 if constraint is not None:
                     row = constraint.apply(row)
+                q_i: Optional[Dist] = None
                 if sampling.greedy:
                     x = greedy(row)
                     confidence.append(_top_probability(row))
                 else:
                     q_i = distribution(row, sampling)
                     x = sample(q_i, rng)
-                    q.append(q_i)
                     confidence.append(q_i.prob(x))
-                decision = draft_more(_deciding(confidence, q[-1] if q else None))
+                decision = draft_more(_deciding(confidence, q_i))
                 if decision == "drop":
                     dropped = (x, confidence.pop())
-                    del q[len(drafted):]
-                    return Proposal(drafted, q or None, confidence, dropped, catch_up=catch_up)
-                drafted.append(x)
-                if decision == "stop" or i + 1 == n_draft:
+                    break
+                node = tree.add(x, parent, q_i, confidence[-1])
+                if branching:
+                    wanted = lambda c: not tree.full(True) and shape.sibling(c)  # noqa: E731
+                    top = confidence[-1] if sampling.greedy else 0.0
+                    for alt, q_alt, c_alt in _next_best(row, x, q_i, top, shape.width - 1, rng, wanted):
+                        tree.add(alt, parent, q_alt, c_alt)
+                parent = node
+                if decision == "stop" or i + 1 == n_draft or tree.full(False):
                     break
                 if constraint is not None:  # the next row is shaped after x
                     constraint.accept(x)
                 self.draft.decode([x])
-            return Proposal(drafted, q or None, confidence, catch_up=catch_up)
+            if branching and offer:
+                tree.merge(offer)
+            return tree.proposal(not sampling.greedy, dropped)._replace(catch_up=catch_up)
         finally:
             if constraint is not None:  # the constraint follows accepted tokens only
                 constraint.rollback(len(constraint.history) - n_history)
-
 
     def _sync(self, tokens: Sequence[int]) -> tuple[int, float]:
         """Bring the draft to tokens (prefilling it first if it has not been): what that decoded."""
@@ -208,42 +217,6 @@ class DraftModelProposer:
             n_have = self.n_prompt_cached
         self.draft.sync(tokens)
         return max(1, len(tokens) - n_have), time.perf_counter() - t0
-
-    def _propose_tree(self, tokens: Sequence[int], n_draft: int, sampling: SamplingSettings,
-                      rng: np.random.Generator, draft_more: DraftMore, shape: TreeShape) -> Proposal:
-        tree = _Tree(shape)
-        n_draft = min(n_draft, shape.n_nodes, self.draft.n_ctx - len(tokens) + 1)
-        if n_draft <= 0:
-            return EMPTY
-        catch_up = self._sync(tokens)
-        confidence: list[float] = []
-        parent, dropped = -1, None
-        for i in range(n_draft):
-            row = self.draft.logits(0)
-            q_i: Optional[Dist] = None
-            if sampling.greedy:
-                x = greedy(row)
-                top = _top_probability(row)
-                confidence.append(top)
-            else:
-                q_i = distribution(row, sampling)
-                x = sample(q_i, rng)
-                confidence.append(q_i.prob(x))
-            decision = draft_more(_deciding(confidence, q_i))
-            if decision == "drop":
-                dropped = (x, confidence.pop())
-                break
-            node = tree.add(x, parent, q_i, confidence[-1])
-            wanted = lambda c: not tree.full(True) and shape.sibling(c)  # noqa: E731
-            for alt, q_alt, c_alt in _next_best(row, x, q_i, top if sampling.greedy else 0.0, shape.width - 1, rng,
-                                                wanted):
-                tree.add(alt, parent, q_alt, c_alt)
-            parent = node
-            if decision == "stop" or i + 1 == n_draft or tree.full(False):
-                break
-            self.draft.decode([x])
-        return tree.proposal(not sampling.greedy, dropped)._replace(catch_up=catch_up)
-
 
 def _deciding(confidence: list[float], q: Optional[Dist]) -> list[float]:
     """The confidences a policy decides on after the draft picked its latest token. Sampled:
@@ -340,17 +313,6 @@ class PromptLookupProposer:
         return Proposal(list(tokens[start:start + n_draft]), None)
 
 
-def with_branch(proposal: Proposal, offer: Sequence[int], shape: TreeShape, sampled: bool) -> Proposal:
-    """proposal (a chain or a tree) with offer merged in from the root."""
-    tree = _Tree(shape)
-    parents = proposal.parents if proposal.parents is not None else list(range(-1, len(proposal.tokens) - 1))
-    q = proposal.q if proposal.q is not None else [None] * len(proposal.tokens)
-    for token, parent, q_i, c in zip(proposal.tokens, parents, q, proposal.confidence or [float("nan")] * len(q)):
-        tree.add(token, parent, q_i, c)
-    tree.merge(offer)
-    return tree.proposal(sampled, proposal.dropped)._replace(catch_up=proposal.catch_up)
-
-
 class Proposer:
     """Where a round's candidates come from: the draft model, prompt lookup, or both, the
     policy choosing between them each round."""
@@ -385,10 +347,7 @@ class Proposer:
         """The round's proposal from source; with a shape, a tree that may take prompt
         lookup's offer in as a branch beside the draft's."""
         if source == "draft" and self.draft is not None:
-            proposal = self.draft.propose(tokens, n_draft, sampling, rng, draft_more, constraint, shape)
-            if shape is not None and shape.width > 1 and constraint is None and offer:
-                proposal = with_branch(proposal, offer, shape, not sampling.greedy)
-            return proposal
+            return self.draft.propose(tokens, n_draft, sampling, rng, draft_more, constraint, shape, offer)
         if source == "lookup" and self.lookup is not None:
             return self.lookup.propose(tokens, n_draft, sampling, rng)
         return EMPTY
