@@ -32,7 +32,7 @@ from .runtime import MtpHead, ModelSettings, Runtime, open_runtime, resident_byt
 from .sampling import SamplingSettings
 from .stats import Stats
 from .text import Detokenizer, StopMatcher
-from .tools import template_messages
+from .messages import normalize as normalize_messages
 
 log = logging.getLogger("specllama")
 
@@ -74,6 +74,16 @@ class Stream:
         self._chunks = chunks
         self.result: Optional[Result] = None
         self.stats: Optional[Stats] = None  # the running generation's stats, live
+        self._cancel = threading.Event()
+
+    def cancel(self) -> None:
+        """Ask the generation to stop at its next token, from any thread (close() must be
+        called from the thread that iterates); it then ends with finish_reason "cancelled"."""
+        self._cancel.set()
+
+    @property
+    def cancelled(self) -> bool:
+        return self._cancel.is_set()
 
     def __iter__(self) -> "Stream":
         return self
@@ -225,9 +235,7 @@ class SpecLlama:
         """Token ids of messages (and tools, for templates that render them) rendered with the
         target's chat template, ready to generate."""
         self._check_open()
-        if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
-            raise InvalidParameterError("messages", messages, "a list of {'role': ..., 'content': ...} dicts")
-        text = self.target.apply_chat_template(template_messages(messages), tools=tools)
+        text = self.target.apply_chat_template(normalize_messages(messages), tools=tools)
         bos_text = self.target.token_text(self.target.bos).decode("utf-8", "replace")
         add_bos = not (bos_text and text.startswith(bos_text))
         return self.target.tokenize(text, add_special=add_bos, parse_special=True)
@@ -340,8 +348,7 @@ class SpecLlama:
         if len(tokens) > self.target.n_ctx:
             raise PromptTooLongError(
                 f"the prompt has {len(tokens)} tokens but the context holds {self.target.n_ctx}; "
-                "shorten the prompt or load with a larger n_ctx"
-            )
+                "shorten the prompt or load with a larger n_ctx", len(tokens), self.target.n_ctx)
         return tokens
 
     def _request(self, prompt: list[int], *, max_tokens: int = 256, temperature: float = 0.0,
@@ -479,6 +486,9 @@ class SpecLlama:
                                        req.prompt, policy, limits, stats, req.constraint, req.n_logprobs)
                 finish = "length"  # running out of context also ends here
                 for token, from_draft, logprob in _accepted_tokens(steps):
+                    if stream.cancelled:
+                        finish = "cancelled"
+                        break
                     if self.target.is_eog(token):
                         finish = "stop"
                         break
@@ -492,7 +502,7 @@ class SpecLlama:
                     if len(tokens) == req.max_tokens:
                         break
                 tail = matcher.feed(detokenizer.flush()) + matcher.flush()
-                if tail:
+                if tail and finish != "cancelled":
                     texts.append(tail)
                     yield Chunk(tail, [], [])
             except GeneratorExit:

@@ -38,6 +38,10 @@ class ContextFullError(SpecLlamaError):
 class PromptTooLongError(ContextFullError, ValueError):
     """The prompt alone does not fit in the context window."""
 
+    def __init__(self, message: str, n_prompt_tokens: int = 0, n_ctx: int = 0):
+        super().__init__(message)
+        self.n_prompt_tokens, self.n_ctx = n_prompt_tokens, n_ctx
+
 
 class DecodeError(SpecLlamaError):
     """llama_decode failed for a reason other than a full context."""

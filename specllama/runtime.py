@@ -768,7 +768,13 @@ class Runtime:
             bos_token=self.token_text(self.bos).decode("utf-8", errors="replace"),
             add_generation_prompt=add_generation_prompt,
         )
-        return formatter(messages=messages, tools=tools).prompt
+        import jinja2
+
+        try:
+            return formatter(messages=messages, tools=tools).prompt
+        except jinja2.TemplateError as e:  # a template's raise_exception(): roles out of order, ...
+            raise InvalidParameterError("messages", "...", f"messages the chat template of {self.name} accepts; "
+                                        f"it says: {e}") from None
 
     def meta(self, key: str) -> Optional[str]:
         buf = ctypes.create_string_buffer(512)

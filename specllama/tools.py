@@ -27,20 +27,33 @@ class ToolFormat:
     open: str
     close: str
     arguments_key: str = "arguments"
+    # the request's tool names: an output that is nothing but a call to one of them, written
+    # without the markers (bare, in a ```json fence, or in the doubled braces of Qwen2.5's own
+    # template example), is that call (small models copy the example, not the tags)
+    names: tuple[str, ...] = ()
 
     def parse(self, text: str) -> tuple[str, list[dict]]:
         """(the content before any call, the calls as OpenAI tool_calls) from a whole output.
 
         Text that only looks like a call (not JSON, no name) stays content."""
-        return _PARSERS[self.name](self, text)
+        content, calls = _PARSERS[self.name](self, text)
+        if not calls and self.names and self.name != "llama3":
+            calls = _bare_calls(text, self.names)
+            if calls:
+                content = ""
+        return content, calls
 
     def holds(self, text: str) -> int:
         """How many characters at the end of text (the output so far) a stream holds back
         because they are or may become a call (0: emit it all)."""
-        if self.name == "llama3":  # a call is the whole output: hold an output that starts like one
-            head = text.lstrip()
-            return len(text) if head.startswith("{") or ("<|python_tag|>".startswith(head) and head) \
-                or head.startswith("<|python_tag|>") else 0
+        head = text.lstrip()
+        if self.name == "llama3" or self.names:  # a whole output that starts like a call
+            starts = ("{", "<|python_tag|>") if self.name == "llama3" else ("{", "[{", "```json")
+            if head and any(head.startswith(s) or s.startswith(head) for s in starts) and \
+                    (self.name == "llama3" or self.open not in text):
+                return len(text)
+            if self.name == "llama3":
+                return 0
         if self.open in text:
             return len(text) - text.index(self.open)
         for i in range(len(self.open) - 1, 0, -1):
@@ -103,6 +116,48 @@ def _call(name: Any, arguments: Any) -> Optional[dict]:
             "function": {"name": name, "arguments": json.dumps(arguments, ensure_ascii=False)}}
 
 
+def _json_call(text: str) -> Any:
+    """A call's JSON, also in the doubled braces of Qwen2.5's template example; ValueError if none."""
+    text = text.strip()
+    try:
+        return json.loads(text)
+    except ValueError:
+        if text.startswith("{{") and text.endswith("}}"):
+            return json.loads(text[1:-1])
+        raise
+
+
+def _bare_calls(text: str, names: tuple[str, ...]) -> list[dict]:
+    """Calls from an output that is only calls without markers, each naming one of names: JSON
+    objects (or a list of them), optionally in a ```json fence, or doubled-brace lines."""
+    body = text.strip()
+    fence = re.fullmatch(r"```(?:json)?\s*(.*?)\s*```", body, re.S)
+    if fence:
+        body = fence.group(1)
+    try:
+        if body.startswith("{{"):  # Qwen2.5's template example, one call a line
+            values = [_json_call(line) for line in body.splitlines() if line.strip()]
+        elif body.startswith("["):
+            values = json.loads(body)
+        else:
+            values, decoder, i = [], json.JSONDecoder(), 0
+            while i < len(body):
+                value, i = decoder.raw_decode(body, i)
+                values.append(value)
+                while i < len(body) and body[i] in " \n\t,;":
+                    i += 1
+    except ValueError:
+        return []
+    calls = []
+    for value in values if isinstance(values, list) else []:
+        call = _call(value.get("name"), value.get("arguments", value.get("parameters"))) \
+            if isinstance(value, dict) and value.get("name") in names else None
+        if call is None:
+            return []
+        calls.append(call)
+    return calls
+
+
 def _parse_hermes(fmt: ToolFormat, text: str) -> tuple[str, list[dict]]:
     calls = []
     first = text.find(fmt.open)
@@ -110,7 +165,7 @@ def _parse_hermes(fmt: ToolFormat, text: str) -> tuple[str, list[dict]]:
         return text, []
     for block in re.finditer(re.escape(fmt.open) + r"(.*?)(?:" + re.escape(fmt.close) + r"|$)", text[first:], re.S):
         try:
-            value = json.loads(block.group(1).strip())
+            value = _json_call(block.group(1))
         except ValueError:
             return text, []
         call = _call(value.get("name"), value.get(fmt.arguments_key)) if isinstance(value, dict) else None
@@ -196,28 +251,3 @@ def chosen_tools(tools: list[dict], tool_choice: Any) -> tuple[str, list[dict]]:
         raise InvalidParameterError("tool_choice", tool_choice, '"auto", "none", "required" or {"type": "function", '
                                     '"function": {"name": one of the tools}}')
     return "required", match
-
-
-def template_messages(messages: list[dict]) -> list[dict]:
-    """Messages as chat templates expect them: assistant tool_calls with arguments as objects
-    (OpenAI sends JSON text), content "" rather than null."""
-    out = []
-    for m in messages:
-        m = dict(m)
-        if m.get("content") is None:
-            m["content"] = ""
-        if m.get("tool_calls"):
-            calls = []
-            for call in m["tool_calls"]:
-                call = dict(call)
-                function = dict(call.get("function") or {})
-                if isinstance(function.get("arguments"), str):
-                    try:
-                        function["arguments"] = json.loads(function["arguments"])
-                    except ValueError:
-                        pass
-                call["function"] = function
-                calls.append(call)
-            m["tool_calls"] = calls
-        out.append(m)
-    return out
