@@ -583,14 +583,18 @@ def doctor_cmd(model: Optional[str], draft: str, n_ctx: int, n_threads: Optional
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on (loopback only by default).")
 @click.option("--port", type=int, default=8080, show_default=True)
 @click.option("--api-key", envvar="SPECLLAMA_API_KEY", default=None,
-              help="Require 'Authorization: Bearer KEY' on every endpoint but /health.")
+              help="Require 'Authorization: Bearer KEY' (or 'x-api-key: KEY') on every endpoint but /health.")
 @click.option("--model-id", default=None, help="Name to serve the model under (default: the target file's stem).")
+@click.option("--strict-model", is_flag=True,
+              help="Answer 404 to requests naming another model (default: serve this one whatever the name).")
+@click.option("--cors-origins", default="", envvar="SPECLLAMA_CORS_ORIGINS",
+              help="Comma-separated origins browser apps may call from, or * for any (default: none).")
 @click.pass_context
 def serve_cmd(ctx: click.Context, model: str, draft: str, n_draft: Optional[str], n_ctx: int,
               n_threads: Optional[int], n_gpu_layers: int, draft_n_gpu_layers: Optional[int], exact: str,
               inexact: bool, rpc: Optional[str], tensor_split: Optional[str], draft_rpc: Optional[str],
               prompt_cache_mb: float, verbose: bool, host: str, port: int, api_key: Optional[str],
-              model_id: Optional[str]) -> None:
+              model_id: Optional[str], strict_model: bool, cors_origins: str) -> None:
     """Serve MODEL over an OpenAI-compatible API (/v1/chat/completions, /v1/completions)."""
     ctx.meta["specllama.verbose"] = verbose
     _setup_logging(verbose)
@@ -619,7 +623,9 @@ def serve_cmd(ctx: click.Context, model: str, draft: str, n_draft: Optional[str]
                    + ("" if api_key else " with no --api-key"), err=True)
     click.echo(f"serving {name} on http://{host}:{port}/v1 (loading the model; /health says when it is ready)",
                err=True)
-    uvicorn.run(create_app(load, name, api_key), host=host, port=port, log_level="info" if verbose else "warning")
+    origins = [o.strip() for o in cors_origins.split(",") if o.strip()]
+    app = create_app(load, name, api_key, cors_origins=origins, strict_model=strict_model)
+    uvicorn.run(app, host=host, port=port, log_level="info" if verbose else "warning")
 
 
 @main.command("worker")

@@ -9,6 +9,7 @@ argument and why, rather than being ignored.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 import uuid
 from collections.abc import Iterator
@@ -103,6 +104,8 @@ def tool_setup(llm: Any, messages: list[dict], tools: Any, tool_choice: Any, par
     if mode == "none":
         return llm.chat_tokens(messages), None, grammar
     fmt = detect(llm.target.chat_template())
+    if fmt is not None:
+        fmt = dataclasses.replace(fmt, names=tuple(t["function"]["name"] for t in allowed))
     if fmt is None:
         raise InvalidParameterError("tools", [t["function"]["name"] for t in tools],
                                     f"used with a model whose chat template renders tools; the template in "
@@ -138,10 +141,12 @@ class Completion:
     """
 
     def __init__(self, llm: Any, tokens: list[int], *, chat: bool, model: str,
-                 tool_format: Optional[ToolFormat] = None, **generate: Any):
+                 tool_format: Optional[ToolFormat] = None, index: int = 0, id: Optional[str] = None,
+                 **generate: Any):
         self.llm, self.tokens, self.chat, self.model = llm, tokens, chat, model
         self.tool_format = tool_format
-        self.id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4()}"
+        self.index = index  # the choice this is, of a request that asked for several
+        self.id = id or f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4()}"
         self.created = int(time.time())
         self.n_logprobs = generate.get("logprobs")
         self.stream = llm.stream(tokens, **generate)  # checks every option now
@@ -171,14 +176,14 @@ class Completion:
         chunks = list(self.stream)
         text = "".join(chunk.text for chunk in chunks)
         logprobs = self._logprobs(chunks)
-        choice: dict[str, Any] = {"index": 0, "logprobs": logprobs}
+        choice: dict[str, Any] = {"index": self.index, "logprobs": logprobs}
         if self.chat:
             message: dict[str, Any] = {"role": "assistant", "content": text}
             if self.tool_format is not None:
                 content, self.tool_calls = self.tool_format.parse(text)
                 if self.tool_calls:
                     message = {"role": "assistant", "content": content or None, "tool_calls": self.tool_calls}
-            choice = {"index": 0, "message": message, **choice}
+            choice = {"index": self.index, "message": message, **choice}
         else:
             choice = {"text": text, **choice}
         choice["finish_reason"] = self.finish_reason()
@@ -217,8 +222,8 @@ class Completion:
     def _chunk(self, body: dict, finish_reason: Optional[str], logprobs: Optional[dict] = None) -> dict:
         return {"id": self.id, "object": "chat.completion.chunk" if self.chat else "text_completion",
                 "created": self.created, "model": self.model,
-                "choices": [{**({"index": 0} if self.chat else {}), **body,
-                             **({} if self.chat else {"index": 0}), "logprobs": logprobs,
+                "choices": [{**({"index": self.index} if self.chat else {}), **body,
+                             **({} if self.chat else {"index": self.index}), "logprobs": logprobs,
                              "finish_reason": finish_reason}]}
 
     def _logprobs(self, chunks: list) -> Optional[dict]:

@@ -42,6 +42,35 @@ def test_calls_are_parsed_from_each_format(fmt, text, expected):
     assert calls_of(fmt, text) == expected
 
 
+# Small models copy the call example of their template (Qwen2.5's shows doubled braces) rather
+# than its tags: an output that is nothing but a call to one of the request's tools is that call.
+LENIENT = ToolFormat("hermes", "<tool_call>", "</tool_call>", names=("get_weather", "add"))
+
+
+@pytest.mark.parametrize("text, expected", [
+    ('{{"name": "get_weather", "arguments": {"city": "Paris"}}}', [("get_weather", {"city": "Paris"})]),
+    ('```json\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n```', [("get_weather", {"city": "Oslo"})]),
+    ('{"name": "add", "arguments": {"a": 1}}\n{"name": "add", "arguments": {"a": 2}}', [("add", {"a": 1}),
+                                                                                    ("add", {"a": 2})]),
+    ('[{"name": "add", "arguments": {}}]', [("add", {})]),
+    ('<tool_call>\n{{"name": "add", "arguments": {"a": 3}}}\n</tool_call>', [("add", {"a": 3})]),
+])
+def test_a_bare_call_to_a_known_tool_is_a_call(text, expected):
+    assert calls_of(LENIENT, text) == ("", expected)
+    assert LENIENT.holds(text[:3]) == 3  # a stream holds it back while it may become one
+
+
+@pytest.mark.parametrize("text", [
+    '{"name": "delete_everything", "arguments": {}}',  # not one of the request's tools
+    'The answer is {"name": "add", "arguments": {}}',  # text around it: an answer, not a call
+    '{"city": "Paris"}',  # JSON without a name
+    '{"name": "add", "arguments": [1, 2]}',  # arguments that are not an object
+])
+def test_json_that_is_not_a_bare_call_stays_text(text):
+    assert calls_of(LENIENT, text) == (text, [])
+    assert calls_of(HERMES, '{{"name": "add", "arguments": {}}}')[1] == []  # no tool names: no leniency
+
+
 @pytest.mark.parametrize("fmt, text", [
     (HERMES, "No tools needed: the answer is 4."),
     (HERMES, "<tool_call>\n{not json}\n</tool_call>"),

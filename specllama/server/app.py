@@ -1,0 +1,227 @@
+"""The FastAPI app: loading the model, authentication, CORS, errors in each API's shape, and the
+endpoints every API shares (/health, /metrics, /v1/models). The wire formats are translators
+in modules of their own, each registering its routes on the one generate path."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import secrets
+import threading
+import time
+from collections.abc import AsyncIterator, Callable, Sequence
+from typing import Any, Optional
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.middleware.cors import CORSMiddleware
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from .. import __version__
+from .errors import ApiError, api_of, from_library
+from .jobs import ClientGone, Disconnect, Job, acquire
+from .metrics import Metrics
+
+log = logging.getLogger("specllama")
+
+OPEN_PATHS = ("/health", "/")  # answered without an API key: load balancers and clients probe them
+
+
+class Server:
+    """What the translators share: the model once loaded, the turn, metrics and settings."""
+
+    def __init__(self, model_id: str, strict_model: bool, metrics: Metrics):
+        self.model_id, self.strict_model, self.metrics = model_id, strict_model, metrics
+        self.llm: Any = None
+        self.error: Optional[BaseException] = None
+        self.turn = asyncio.Lock()  # one generation at a time; waiters served in arrival order
+        self.created = int(time.time())
+        self.fingerprint = f"specllama-{__version__}"
+
+    def ready(self) -> Any:
+        if self.error is not None:
+            raise ApiError(503, f"the model failed to load: {self.error}", kind="server_error", code="load_failed")
+        if self.llm is None:
+            raise ApiError(503, "the model is still loading; retry shortly", kind="server_error", code="loading")
+        return self.llm
+
+    def check_model(self, name: Any) -> None:
+        """Any name is served, as llama-server and llama-cpp-python do, unless --strict-model."""
+        if name is not None and not isinstance(name, str):
+            raise ApiError(400, "model: a string naming the model", param="model", code="invalid_value")
+        if self.strict_model and name is not None and name != self.model_id:
+            raise ApiError(404, f"model {name!r} is not served here; this server serves {self.model_id!r}",
+                           param="model", code="model_not_found")
+
+    async def run(self, request: Request, work: Callable[[Job], Any], stream: bool) -> Optional[Job]:
+        """Start work once it is this request's turn; None if the client left while waiting.
+        A non-streamed job's result is then result(request, job)."""
+        disconnect = Disconnect(request)
+        if not await acquire(self.turn, disconnect):
+            self.metrics.cancelled.labels(self.metrics.endpoint(request.url.path)).inc()
+            return None
+        job = Job(work, self.turn.release)
+        if stream:  # the stream's response watches its own client
+            disconnect.close()
+        else:
+            job.disconnect = disconnect
+        return job
+
+    async def result(self, request: Request, job: Optional[Job]) -> Any:
+        """A non-streamed job's result, cancelled if its client leaves (ClientGone)."""
+        if job is None:
+            raise ClientGone()
+        try:
+            return await job.result(job.disconnect)
+        except ClientGone:
+            self.metrics.cancelled.labels(self.metrics.endpoint(request.url.path)).inc()
+            raise
+        finally:
+            job.disconnect.close()
+
+    def stream_ended(self, request: Request, job: Job) -> None:
+        """A stream's response ended: a generation still running lost its client."""
+        if not job.finished:
+            job.cancel()
+            self.metrics.cancelled.labels(self.metrics.endpoint(request.url.path)).inc()
+
+
+def create_app(load: Callable[[], Any], model_id: str, api_key: Optional[str] = None,
+               cors_origins: Sequence[str] = (), strict_model: bool = False) -> FastAPI:
+    """The app; load() builds the SpecLlama in a background thread once the server is up.
+
+    Args:
+        load: returns the SpecLlama to serve.
+        model_id: the name /v1/models lists and responses carry (requests may name any model).
+        api_key: when set, every endpoint but /health and / needs "Authorization: Bearer KEY"
+            or "x-api-key: KEY" (Anthropic's header).
+        cors_origins: origins browsers may call from ("*" for any); none by default.
+        strict_model: answer 404 for a request naming another model, as OpenAI does.
+    """
+    from . import openai_chat
+
+    translators = (openai_chat,)
+    metrics = Metrics({"/health", "/metrics", "/v1/models", "/"} | {p for t in translators for p in t.PATHS})
+    server: Server
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        def load_in_background() -> None:
+            try:
+                server.llm = load()
+            except BaseException as e:  # reported by /health and every request
+                server.error = e
+                log.error("loading failed: %s", e)
+
+        threading.Thread(target=load_in_background, name="specllama-load", daemon=True).start()
+        yield
+        async with server.turn:
+            if server.llm is not None:
+                server.llm.close()
+
+    app = FastAPI(title="specllama", docs_url=None, redoc_url=None, lifespan=lifespan)
+    server = Server(model_id, strict_model, metrics)
+    app.state.server = server
+
+    @app.exception_handler(ApiError)
+    async def api_error(request: Request, e: ApiError) -> JSONResponse:
+        return e.response(api_of(request.url.path))
+
+    @app.exception_handler(RequestValidationError)
+    async def bad_body(request: Request, e: RequestValidationError) -> JSONResponse:
+        first = e.errors()[0] if e.errors() else {}
+        if first.get("type") == "json_invalid":
+            error = ApiError(400, "the request body is not valid JSON", code="invalid_json")
+        else:
+            param = ".".join(str(part) for part in first.get("loc", ()) if part != "body") or None
+            error = ApiError(400, f"{param or 'body'}: {first.get('msg', 'invalid')}", param=param,
+                             code="invalid_value")
+        return error.response(api_of(request.url.path))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, e: StarletteHTTPException) -> JSONResponse:
+        detail = e.detail if isinstance(e.detail, str) else "invalid request"
+        if e.status_code == 404:
+            detail = f"{request.method} {request.url.path} is not an endpoint of this server"
+        code = {404: "not_found", 405: "method_not_allowed"}.get(e.status_code, "invalid_request")
+        return ApiError(e.status_code, detail, code=code).response(api_of(request.url.path))
+
+    @app.exception_handler(Exception)
+    async def internal_error(request: Request, e: Exception) -> JSONResponse:
+        return from_library(e).response(api_of(request.url.path))  # logs the traceback
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        if server.llm is None:
+            return JSONResponse({"status": "error" if server.error else "loading"}, status_code=503)
+        return JSONResponse({"status": "ok"})
+
+    @app.api_route("/", methods=["GET", "HEAD"])
+    async def root() -> JSONResponse:
+        return JSONResponse({"status": "ok" if server.llm is not None else "loading", "model": model_id})
+
+    @app.get("/metrics")
+    async def prometheus() -> PlainTextResponse:
+        return PlainTextResponse(metrics.text(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models")
+    async def models() -> dict:
+        entry = {"id": model_id, "object": "model", "created": server.created, "owned_by": "specllama"}
+        if server.llm is not None:
+            entry["meta"] = {"n_ctx": server.llm.target.n_ctx, "n_vocab": server.llm.target.n_vocab}
+        # "models" as well: what Codex and llama-server's own clients read
+        return {"object": "list", "data": [entry], "models": [{"name": model_id, "model": model_id, **entry}]}
+
+    for translator in translators:
+        translator.add_routes(app, server)
+
+    app.add_middleware(_Guard, api_key=api_key, metrics=metrics)
+    # outermost: a browser's preflight is answered before the key is asked for (it never carries one)
+    app.add_middleware(CORSMiddleware, allow_origins=list(cors_origins), allow_methods=["GET", "POST", "OPTIONS"],
+                       allow_headers=["*"], expose_headers=["*"], allow_credentials=False, max_age=600)
+    return app
+
+
+def gone() -> Response:
+    """What a handler returns for a client that already left (nobody reads it)."""
+    return Response(status_code=499)
+
+
+class _Guard:
+    """Checks the API key and counts requests by endpoint and status. A plain ASGI middleware,
+    so a handler still sees its client's disconnect."""
+
+    def __init__(self, app: Any, api_key: Optional[str], metrics: Metrics):
+        self.app, self.metrics = app, metrics
+        self.keys = None if api_key is None else (f"Bearer {api_key}".encode(), api_key.encode())
+
+    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        path = scope["path"]
+        endpoint = self.metrics.endpoint(path)
+        if self.keys is not None and path not in OPEN_PATHS and not self._authorized(scope):
+            error = ApiError(401, "missing or wrong API key: send Authorization: Bearer <key> (or x-api-key: <key>)",
+                             code="invalid_api_key", kind="authentication_error")
+            self.metrics.requests.labels(endpoint, "401").inc()
+            return await error.response(api_of(path))(scope, receive, send)
+        status = {"code": 500}
+
+        async def counting_send(message: dict) -> None:
+            if message["type"] == "http.response.start":
+                status["code"] = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, counting_send)
+        finally:
+            self.metrics.requests.labels(endpoint, str(status["code"])).inc()
+
+    def _authorized(self, scope: dict) -> bool:
+        headers = dict(scope["headers"])
+        bearer, key = self.keys
+        return secrets.compare_digest(headers.get(b"authorization", b""), bearer) or \
+            secrets.compare_digest(headers.get(b"x-api-key", b""), key)
