@@ -114,7 +114,8 @@ def test_four_turn_chat(bench_models, target, monkeypatch):
         llama.close()
     later = slice(1, None)
     row = {
-        "benchmark": "chat", "target": target, "flash_attn": FLASH_ATTN, "load_s": load_s, "ours": ours, "llama_cpp": theirs, "cache": cache,
+        "benchmark": "chat", "target": target, "flash_attn": FLASH_ATTN, "load_s": load_s, "ours": ours,
+        "llama_cpp": theirs, "cache": cache,
         "ttft1_ratio": ours[0]["ttft"] / theirs[0]["ttft"],
         "ttft_later_ratio": max(o["ttft"] / t["ttft"] for o, t in zip(ours[later], theirs[later])),
         "turns_2_4_ratio": sum(o["seconds"] for o in ours[later]) / sum(t["seconds"] for t in theirs[later]),

@@ -48,7 +48,7 @@ def test_overhead_per_round(benchmark, temperature):
 
 
 def controller_round(controller, confidences, n_accepted, t_verify):
-    from specllama.proposers import Proposal
+    from specllama.proposals import DraftReport, Proposal, RoundOutcome
 
     source, k = controller.plan(16, 2, 8)
     drafted = []
@@ -58,8 +58,8 @@ def controller_round(controller, confidences, n_accepted, t_verify):
             break
     n = min(n_accepted, len(drafted))
     offer = list(range(8))
-    controller.observe(source, Proposal(list(range(len(drafted))), None, drafted), list(range(n + 1)), t_verify,
-                       offer, True)
+    controller.observe(RoundOutcome(source, Proposal(list(range(len(drafted)))), list(range(n + 1)), t_verify,
+                                    True, DraftReport(drafted), offer))
 
 
 def test_controller_overhead_per_round(benchmark):

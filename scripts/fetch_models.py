@@ -162,7 +162,8 @@ def path_of(name: str) -> Path:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("names", nargs="*", help=f"models to fetch, of {', '.join([*MODELS, *DERIVED])} (default: all but derived)")
+    parser.add_argument("names", nargs="*",
+                        help=f"models to fetch, of {', '.join([*MODELS, *DERIVED])} (default: all but derived)")
     parser.add_argument("--path", action="store_true", help="print only the path(s)")
     args = parser.parse_args(argv)
     known = [*MODELS, *DERIVED]

@@ -10,14 +10,17 @@ from __future__ import annotations
 import logging
 import math
 import time
-from typing import Optional
+from typing import Optional, Union
 
 import numpy as np
 
 from . import paths
 from .controller import Costs
-from .fidelity import KV_PAD, MAX_VERIFY, BatchDiffs, kv_group, kv_length
-from .runtime import Runtime
+from .fidelity import BatchDiffs, kv_group
+from .limits import MAX_VERIFY
+from .runtime.batches import KV_PAD, kv_length
+from .runtime.protocols import Drafter, Model
+from .tree import Tree
 
 log = logging.getLogger("specllama")
 
@@ -30,7 +33,7 @@ def _load(key: str) -> dict | None:
     return paths.read_cached("calibration.json", key)
 
 
-def _store(key: str, value: dict) -> None:
+def store(key: str, value: dict) -> None:
     paths.write_cached("calibration.json", key, value)
 
 
@@ -39,7 +42,7 @@ def _max_abs_diff(a: np.ndarray, b: np.ndarray) -> float:
     return d if np.isfinite(d) else float("inf")
 
 
-def probe_batch_diffs(target: Runtime, n_past: int, bound: float, max_batch: int = MAX_VERIFY) -> BatchDiffs:
+def probe_batch_diffs(target: Model, n_past: int, bound: float, max_batch: int = MAX_VERIFY) -> BatchDiffs:
     """Teacher-forced probe at the KV length of n_past cached tokens.
 
     Decodes max_batch probe tokens one at a time, then the same tokens again as one batch of
@@ -54,7 +57,7 @@ def probe_batch_diffs(target: Runtime, n_past: int, bound: float, max_batch: int
     while len(tokens) < max_batch:
         tokens = tokens + tokens
     tokens = tokens[:max(max_batch, 0)]
-    trees = getattr(target, "n_branches", 1) > 1
+    trees = target.n_branches > 1
     leaves = [(tokens[(d + 7) % len(tokens)] + 1) % target.n_vocab for d in range(len(tokens))] if trees else []
     t_start = time.perf_counter()
     target.truncate(n_past)
@@ -87,19 +90,21 @@ def probe_batch_diffs(target: Runtime, n_past: int, bound: float, max_batch: int
                       time.perf_counter() - t_start, tuple(verify_seconds))
 
 
-def _tree_diff(target: Runtime, n_past: int, tokens: list[int], leaves: list[int], single: list,
+def _tree_diff(target: Model, n_past: int, tokens: list[int], leaves: list[int], single: list,
                leaf_single: list, b: int) -> float:
     """Largest |difference| of a b-token tree's rows from the same rows decoded alone: a chain
     of probe tokens, then a leaf under each of its first nodes (about half the tree, within
     the branches the target's context has)."""
     c = b - min(b - -(-(b + 1) // 2), target.n_branches - 1)
     target.truncate(n_past)
-    target.decode_tree([*tokens[:c], *leaves[1:b - c + 1]], [-1, *range(c - 1), *range(b - c)])
+    # tokens[0] is the root; the chain tokens[1:c] under it, and a leaf under each of tokens[0:b - c]
+    target.decode_tree(tokens[0], [*tokens[1:c], *leaves[1:b - c + 1]],
+                       Tree([*range(-1, c - 2), *range(-1, b - c - 1)]))
     chain = max(_max_abs_diff(target.logits(i), single[i]) for i in range(c))
     return max(chain, *(_max_abs_diff(target.logits(c + j), leaf_single[j]) for j in range(b - c)))
 
 
-def batch_diffs(target: Runtime, n_past: int, bound: float) -> BatchDiffs:
+def batch_diffs(target: Model, n_past: int, bound: float) -> BatchDiffs:
     """probe_batch_diffs for the KV group of n_past, cached per model file, settings and
     llama.cpp build. n_past = 0 probes after a few tokens of its own (the short context)."""
     key = f"batch_diffs|{target.identity}|{kv_group(kv_length(max(n_past, N_CONTEXT) + 1, target.n_ctx))}"
@@ -122,7 +127,7 @@ def batch_diffs(target: Runtime, n_past: int, bound: float) -> BatchDiffs:
     log.info("%s at KV length %d: verify batches differ from single-token rows by %s (measured in %.1f s)",
              target.name, diffs.n_kv, ", ".join(f"{b}: {d:.3g}" for b, d in enumerate(diffs.diffs, 2)),
              diffs.seconds)
-    _store(key, diffs.as_dict())
+    store(key, diffs.as_dict())
     return diffs
 
 
@@ -130,7 +135,7 @@ REUSE_SEGMENT = 8  # probe tokens that stand for an earlier answer, decoded one 
 REUSE_ROWS = 4  # probe tokens that stand for the new turn, prefilled on top of them
 
 
-def probe_reuse_diffs(target: Runtime, n_past: int) -> float:
+def probe_reuse_diffs(target: Model, n_past: int) -> float:
     """How far rows computed on a reused cache stray from rows on a fresh prefill, at the KV
     length of n_past cached tokens.
 
@@ -168,7 +173,7 @@ def probe_reuse_diffs(target: Runtime, n_past: int) -> float:
                _max_abs_diff(last_alone, fresh[len(turn) - 1]))
 
 
-def reuse_diffs(target: Runtime, n_past: int) -> float:
+def reuse_diffs(target: Model, n_past: int) -> float:
     """probe_reuse_diffs for the KV group of n_past, cached per model file, settings and build."""
     key = f"reuse_diffs|{target.identity}|{kv_group(kv_length(n_past + 1, target.n_ctx))}"
     cached = _load(key)
@@ -181,11 +186,11 @@ def reuse_diffs(target: Runtime, n_past: int) -> float:
         return diff
     log.info("%s at KV length %d: rows on a reused prompt cache differ from a fresh prefill's by %.3g "
              "(measured in %.1f s)", target.name, kv_length(n_past + 1, target.n_ctx), diff, seconds)
-    _store(key, {"diff": diff, "seconds": seconds})
+    store(key, {"diff": diff, "seconds": seconds})
     return diff
 
 
-def calibrate_fidelity(target: Runtime, n_groups: int = 4, bound: float = float("inf")) -> list[BatchDiffs]:
+def calibrate_fidelity(target: Model, n_groups: int = 4, bound: float = float("inf")) -> list[BatchDiffs]:
     """batch_diffs at the start of KV groups 0..n_groups-1 (KV lengths 256, 512, 768, 1280, ...),
     the cache filled with probe text to get there. Measures every size unless bound is given.
     Clears the target's cache."""
@@ -208,17 +213,21 @@ def calibrate_fidelity(target: Runtime, n_groups: int = 4, bound: float = float(
 VERIFY_SIZES = (1, 2, 3, 4, 5, 6, 8, 12, 16)
 
 
-def _time_decode(runtime: Runtime, n_context: int, tokens: list[int], n: int, repeats: int) -> float:
+def _time_decode(runtime: Union[Model, Drafter], n_context: int, tokens: list[int], n: int, repeats: int) -> float:
+    """The fastest of repeats decodes of n tokens (all rows kept) on n_context cached ones."""
     best = float("inf")
     for _ in range(repeats):
         runtime.truncate(n_context)
         t0 = time.perf_counter()
-        runtime.decode(tokens[:n], n_logits=n)
+        if n == 1:
+            runtime.decode(tokens[:1])
+        else:
+            runtime.decode(tokens[:n], n_logits=n)  # type: ignore[call-arg]  # the target's
         best = min(best, time.perf_counter() - t0)
     return best
 
 
-def measure_costs(target: Runtime, draft: Optional[Runtime], max_verify: int = 16, repeats: int = 2) -> Costs:
+def measure_costs(target: Model, draft: Optional[Drafter], max_verify: int = 16, repeats: int = 2) -> Costs:
     """Time the target's decode of n = 1..max_verify tokens and the draft's single-token decode.
 
     Uses the fastest of `repeats` runs (the least disturbed by other work). Clears both caches.
@@ -244,12 +253,18 @@ def measure_costs(target: Runtime, draft: Optional[Runtime], max_verify: int = 1
     return Costs(verify, draft_token)
 
 
-def costs(target: Runtime, draft: Optional[Runtime], max_verify: int = 16) -> Costs:
-    """measure_costs, cached per target and draft identity."""
-    key = f"costs|{target.identity}|{draft.identity if draft is not None else '-'}|{max_verify}"
+def costs_key(target: Model, draft: Optional[Drafter], max_verify: int = MAX_VERIFY) -> str:
+    """The one key of a target and draft pair's costs: whoever measures them (load(), calibrate,
+    doctor, bench) reads and writes the same entry."""
+    return f"costs|{target.identity}|{draft.identity if draft is not None else '-'}|{max_verify}"
+
+
+def costs(target: Model, draft: Optional[Drafter], max_verify: int = MAX_VERIFY) -> Costs:
+    """measure_costs, cached under costs_key."""
+    key = costs_key(target, draft, max_verify)
     cached = _load(key)
     if cached is not None:
         return Costs(tuple(cached["verify"]), cached["draft_token"])
     result = measure_costs(target, draft, max_verify)
-    _store(key, {"verify": list(result.verify), "draft_token": result.draft_token})
+    store(key, {"verify": list(result.verify), "draft_token": result.draft_token})
     return result

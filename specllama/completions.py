@@ -160,7 +160,8 @@ class Completion:
     def usage(self, details: bool = False) -> dict:
         """llama-cpp-python's usage; details adds OpenAI's prompt_tokens_details (cached tokens)."""
         n = len(self.stream.result.tokens) if self.stream.result is not None else 0
-        usage = {"prompt_tokens": len(self.tokens), "completion_tokens": n, "total_tokens": len(self.tokens) + n}
+        usage: dict[str, Any] = {"prompt_tokens": len(self.tokens), "completion_tokens": n,
+                                 "total_tokens": len(self.tokens) + n}
         if details:
             usage["prompt_tokens_details"] = {"cached_tokens": self.stats.n_prompt_cached if self.stats else 0}
         return usage
@@ -209,6 +210,7 @@ class Completion:
                 if text or logprobs is not None:
                     yield self._chunk({"delta": {"content": text}} if self.chat else {"text": text}, None, logprobs)
             if held:
+                assert self.tool_format is not None  # only a tool format holds text back
                 content, self.tool_calls = self.tool_format.parse(held)
                 if content or not self.tool_calls:
                     yield self._chunk({"delta": {"content": content if self.tool_calls else held}}, None)

@@ -18,7 +18,7 @@ import math
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Optional, cast
 
 import llguidance
 import numpy as np
@@ -120,7 +120,8 @@ def grammar_source(grammar: Any = None, json_schema: Any = None) -> Optional[str
         if not isinstance(json_schema, (dict, bool)):
             raise InvalidParameterError("json_schema", json_schema, "a JSON schema object")
         try:
-            return llguidance.LLMatcher.grammar_from_json_schema(json.dumps(json_schema), overrides=JSON_STYLE)
+            return llguidance.LLMatcher.grammar_from_json_schema(json.dumps(json_schema),
+                                                                 overrides=cast(Any, JSON_STYLE))
         except ValueError as e:
             raise InvalidParameterError("json_schema", _short(json.dumps(json_schema)), f"a valid JSON schema ({e})") \
                 from None

@@ -8,18 +8,20 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Generator, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Optional
 
 import numpy as np
 
 from .constraints import Constraint
-from .fidelity import Limits, kv_length, near_tie, top_gap
-from .proposers import EMPTY, Proposal, Proposer, TreeShape
-from .runtime import Runtime
-from .sampling import SamplingSettings, distribution, greedy, top_candidates
+from .controller import Policy
+from .fidelity import Limits, near_tie, top_gap
+from .proposals import EMPTY, NO_REPORT, DraftReport, Proposal, RoundOutcome, TreeShape
+from .proposers import Generation, Proposer
+from .runtime.protocols import Model
+from .sampling import Dist, SamplingSettings, distribution, greedy, top_candidates
 from .stats import Stats
 from .verify import greedy_verify, speculative_verify, tree_greedy_verify, tree_speculative_verify
 
@@ -37,130 +39,166 @@ class Step:
     logprobs: Optional[list[tuple[float, list[tuple[int, float]]]]] = None
 
 
-def generate_steps(
-    target: Runtime,
-    proposer: Optional[Proposer],
-    sampling: SamplingSettings,
-    rng: np.random.Generator,
-    prompt: Sequence[int],
-    policy: Any,
-    limits: Limits,
-    stats: Stats,
-    constraint: Optional[Constraint] = None,
-    n_logprobs: Optional[int] = None,
-) -> Iterator[Step]:
-    """Yield the accepted tokens round by round, forever or until the context is full.
+@dataclass
+class Decoding:
+    """What one generation decodes with. The caller has prefilled the target: its KV cache
+    holds the prompt, with logits for the prompt's last token. The policy decides each round's
+    source and draft length within the verify size the fidelity limits allow at the current KV
+    length; the constraint (a grammar, logit bias, penalties) shapes every row before its token
+    is chosen and follows the accepted tokens; n_logprobs asks each Step for logprobs with that
+    many alternatives (0: the chosen token's only)."""
 
-    The caller has prefilled the target: its KV cache holds the prompt, with logits for the
-    prompt's last token. policy (FixedDraft or Controller) decides each round's source and
-    draft length within the verify size the fidelity limits allow at the current KV length.
+    target: Model
+    proposer: Optional[Proposer]
+    policy: Policy
+    sampling: SamplingSettings
+    rng: np.random.Generator
+    limits: Limits
+    stats: Stats
+    constraint: Optional[Constraint] = None
+    n_logprobs: Optional[int] = None
 
-    The target's KV cache always holds tokens[:-1]: the newest token is fed as the first
-    row of the next verify batch.
 
-    constraint (a grammar, logit bias, penalties) shapes every row before its token is chosen
-    and follows the accepted tokens; n_logprobs asks each Step for logprobs with that many
-    alternatives (0: the chosen token's only).
-    """
-    tokens = list(prompt)
-    t_start = time.perf_counter()
+@dataclass(frozen=True)
+class _Round:
+    """A round's proposal (forced tokens, then the source's), and for the policy what the source
+    proposed alone, with the draft's report."""
+
+    source: str
+    proposal: Proposal
+    drafted: Proposal
+    n_forced: int
+    offer: list[int]
+    n_pending: int
+    report: DraftReport
+
+
+def generate_steps(d: Decoding, prompt: Sequence[int]) -> Generator[Step, None, None]:
+    """Yield the accepted tokens round by round, forever or until the context is full. The
+    target's KV cache always holds tokens[:-1]: the newest token is the first row of the next
+    verify batch."""
+    target, stats, tokens = d.target, d.stats, list(prompt)
+    t0 = time.perf_counter()
     # 0. the first token comes from the prefill's last row; on a reused cache that row may be a
     # near-tie, judged once the first round knows the tolerance
-    n_accepted, next_token, rows = _verify(target, EMPTY, sampling, rng, constraint)
-    first_gap = top_gap(rows[0]) if sampling.greedy and limits.reuse is not None else None
-    stats.t_prefill += time.perf_counter() - t_start
+    _, next_token, rows = _verify(d, EMPTY)
+    first_gap = top_gap(rows[0]) if d.sampling.greedy and d.limits.reuse is not None else None
+    stats.t_prefill += time.perf_counter() - t0
     tokens.append(next_token)
-    if proposer is not None:  # the draft model prefills when a round first drafts with it
-        proposer.prefill(prompt)
-    yield Step([next_token], 0, _logprobs(target, [next_token], n_logprobs))
+    if d.proposer is not None:  # the draft model prefills when a round first drafts with it
+        d.proposer.start(prompt, Generation(d.sampling, d.rng, d.policy.draft_more, d.constraint))
+    yield Step([next_token], 0, _logprobs(target, [next_token], d.n_logprobs))
     try:
         while len(tokens) <= target.n_ctx:
             n_past = len(tokens) - 1
-            # 1. the largest verify batch the fidelity level allows here (measured on first reach,
-            # with the difference rows on a reused cache carry)
             t0 = time.perf_counter()
-            limits.reach(n_past)
-            n_verify_max = limits.max_batch(n_past) if proposer is not None else 1
-            n_pending = _pending_rows(target, n_past, n_verify_max)
+            # 1. the largest verify batch the fidelity level allows here (measured on first reach)
+            d.limits.reach(n_past)
+            n_verify_max = d.limits.max_batch(n_past) if d.proposer is not None else 1
             t1 = time.perf_counter()
-            # 2. propose from the source and as far as the policy wants, within limits and context;
-            # tokens the grammar forces come first, for free, and the source continues after them
-            source, n_draft, proposal, offer, forced = "none", 0, EMPTY, [], []
-            if proposer is not None:
-                k_cap = min(target.n_ctx - len(tokens), n_verify_max - 1, target.max_verify - 1) - n_pending
-                forced = constraint.forced(k_cap) if constraint is not None else []
-                context = [*tokens, *forced]
-                with _exploring(constraint, forced):
-                    n_match, offer = proposer.lookup_offer(context, k_cap - len(forced))
-                    source, n_draft = policy.plan(k_cap - len(forced), n_match, len(offer),
-                                                  proposer.draft_lag(context))
-                    if n_draft > 0:
-                        proposal = proposer.propose(context, source, n_draft, sampling, rng, policy.draft_more,
-                                                    constraint, _shape(policy, target, k_cap, constraint), offer)
-                        if constraint is not None:  # a token the grammar forbids is never accepted
-                            proposal = _within(proposal, constraint.n_valid(proposal.tokens))
-            drafted, proposal = proposal, _after(forced, proposal)
+            # 2. propose: tokens the grammar forces first (free), then the policy's source
+            r = _propose(d, tokens, n_verify_max)
             t2 = time.perf_counter()
             # 3. verify: one target pass over [newest token, x_1..x_k], logits for all k+1 rows
             # (a tree: each branch a sequence of its own, so no branch sees another)
-            if proposal.parents is None:
-                target.decode([tokens[-1], *proposal.tokens], n_logits=len(proposal.tokens) + 1)
+            if r.proposal.tree is None:
+                target.decode([tokens[-1], *r.proposal.tokens], n_logits=len(r.proposal.tokens) + 1)
             else:
-                target.decode_tree([tokens[-1], *proposal.tokens], [-1, *(p + 1 for p in proposal.parents)])
+                target.decode_tree(tokens[-1], r.proposal.tokens, r.proposal.tree)
             t3 = time.perf_counter()
             # 4. accept the agreeing prefix (a tree: the longest agreeing path) plus one target token
-            path, next_token, rows = _verify(target, proposal, sampling, rng, constraint)
-            n_accepted, path_rows = len(path), [0, *(i + 1 for i in path)]
-            if first_gap is not None:
-                _judge_first_row(first_gap, limits.tolerance(n_past, 1), stats)
-                first_gap = None
-            if sampling.greedy and (proposer is not None or limits.reuse is not None):
-                _count_near_ties(rows, limits.tolerance(n_past - n_pending, n_pending + len(proposal.tokens) + 1),
-                                 len(tokens) - len(prompt), stats)
-            new = [*(proposal.tokens[i] for i in path), next_token]
-            step = Step(new, n_accepted, _logprobs(target, new, n_logprobs, path_rows))
+            path, next_token, rows = _verify(d, r.proposal)
+            _judge_near_ties(d, rows, first_gap, n_past, r, len(tokens) - len(prompt))
+            first_gap = None
+            new = [*(r.proposal.tokens[i] for i in path), next_token]
+            step = Step(new, len(path), _logprobs(target, new, d.n_logprobs, [0, *(i + 1 for i in path)]))
             # 5. roll the target back to what was accepted
-            target.truncate(n_past + 1 + n_accepted, path_rows if proposal.parents is not None else None)
+            target.truncate(n_past + 1 + len(path), path if r.proposal.tree is not None else None)
             tokens.extend(new)
-            t4 = time.perf_counter()
-            stats.t_calibrate += t1 - t0
-            stats.t_draft += t2 - t1
-            stats.t_verify += t3 - t2
-            stats.t_rollback += t4 - t3
-            stats.record_round(len(proposal.tokens), n_accepted, source, len(forced))
-            if proposal.parents is not None:
-                stats.record_tree(proposal, path)
-            if proposer is not None:
-                # the policy judges its own source, on the rounds that reached its drafts; what
-                # the rollback cost (a recurrent state restored and replayed) is part of the pass
-                if n_accepted >= len(forced):
-                    policy.observe(source, drafted, new[len(forced):], t4 - t2, offer, sampling.greedy,
-                                   n_verify=n_pending + len(proposal.tokens) + 1)
-                else:
-                    policy.observe("grammar", EMPTY, new, t4 - t2, [], sampling.greedy,
-                                   n_verify=n_pending + len(proposal.tokens) + 1)
+            _record(d, r, path, new, (t0, t1, t2, t3, time.perf_counter()))
             yield step
     finally:
         # interrupted between verify and rollback: drop the unverified rows (a recurrent memory
         # that cannot stop there drops more, for the next prefill to decode again)
         target.discard(len(tokens) - 1)
-        if proposer is not None:  # the draft's prefill ran inside a draft step: count it apart
-            stats.n_draft_prompt_cached, stats.t_draft_prefill = proposer.draft_prefill()
+        if d.proposer is not None:  # the draft's prefill ran inside a draft step: count it apart
+            stats.n_draft_prompt_cached, stats.t_draft_prefill = d.proposer.draft_prefill()
             stats.t_draft -= stats.t_draft_prefill
         if first_gap is not None:  # no round ran: judge the first row if the tolerance is known
-            _judge_first_row(first_gap, limits.tolerance(len(prompt) - 1, 1, measure=False), stats)
+            _judge_first_row(first_gap, d.limits.tolerance(len(prompt) - 1, 1, measure=False), stats)
 
 
-def _pending_rows(target: Runtime, n_past: int, n_verify_max: int) -> int:
-    """Rows this round's batch gives to tokens a tree round kept off its first branch (not in
-    the KV cache yet, they go in front of the batch). Where they would make the batch larger
-    than the fidelity level allows, or start it below a KV padding step, they are decoded
-    one at a time first."""
-    n = target.n_pending
-    if n and (n >= n_verify_max or kv_length(n_past - n + 1, target.n_ctx) != kv_length(n_past + 1, target.n_ctx)):
-        target.flush_pending()
-        return 0
-    return n
+def _propose(d: Decoding, tokens: list[int], n_verify_max: int) -> _Round:
+    """The round's proposal within k_cap: what the verify limit, the context and the memory's
+    rollback allow, less the rows pending tokens of an earlier tree take."""
+    n_pending = d.target.pending_rows(n_verify_max)
+    if d.proposer is None:
+        return _Round("none", EMPTY, EMPTY, 0, [], n_pending, NO_REPORT)
+    k_cap = min(d.target.n_ctx - len(tokens), n_verify_max - 1, d.target.max_verify - 1) - n_pending
+    forced = d.constraint.forced(k_cap) if d.constraint is not None else []
+    context = [*tokens, *forced]
+    drafted, report = EMPTY, NO_REPORT
+    with _exploring(d.constraint, forced):
+        n_match, offer = d.proposer.lookup_offer(context, k_cap - len(forced))
+        source, n_draft = d.policy.plan(k_cap - len(forced), n_match, len(offer), d.proposer.draft_lag(context))
+        if n_draft > 0:
+            drafted = d.proposer.propose(context, source, n_draft, offer, _shape(d, k_cap))
+            report = d.proposer.report
+            if d.constraint is not None:  # a token the grammar forbids is never accepted
+                n_valid = d.constraint.n_valid(drafted.tokens)
+                if n_valid < len(drafted.tokens):
+                    drafted, report = drafted.first(n_valid), DraftReport(report.confidence[:n_valid])
+    # forced tokens, then the source's: one round (a forced token's q is one-hot, as lookup's)
+    q: Optional[list[Optional[Dist]]] = None if drafted.q is None else [*([None] * len(forced)), *drafted.q]
+    proposal = drafted if not forced else Proposal([*forced, *drafted.tokens], q)
+    return _Round(source, proposal, drafted, len(forced), offer, n_pending, report)
+
+
+def _shape(d: Decoding, k_cap: int) -> Optional[TreeShape]:
+    """How far this round may branch: trees need a target that verifies them and no constraint
+    (a grammar's state follows one path)."""
+    if d.policy.width <= 1 or d.target.n_branches <= 1 or d.constraint is not None:
+        return None
+    return TreeShape(d.policy.width, k_cap, d.target.n_branches, d.policy.sibling, d.policy.lookup_node)
+
+
+def _record(d: Decoding, r: _Round, path: list[int], new: list[int], times: tuple[float, ...]) -> None:
+    """Where the round's time went, its counts, and what the policy learns from it: its own
+    source, on the rounds that reached its drafts; what the rollback cost (a recurrent state
+    restored and replayed) is part of the pass."""
+    t0, t1, t2, t3, t4 = times
+    stats = d.stats
+    stats.t_calibrate += t1 - t0
+    stats.t_draft += t2 - t1
+    stats.t_verify += t3 - t2
+    stats.t_rollback += t4 - t3
+    stats.record_round(len(r.proposal.tokens), len(path), r.source, r.n_forced)
+    if r.proposal.tree is not None:
+        stats.record_tree(r.proposal.tree, path)
+    if d.proposer is not None:
+        n_verify = r.n_pending + len(r.proposal.tokens) + 1
+        if len(path) >= r.n_forced:
+            d.policy.observe(RoundOutcome(r.source, r.drafted, new[r.n_forced:], t4 - t2, d.sampling.greedy,
+                                          r.report, r.offer, n_verify))
+        else:
+            d.policy.observe(RoundOutcome("grammar", EMPTY, new, t4 - t2, d.sampling.greedy, n_verify=n_verify))
+
+
+def _judge_near_ties(d: Decoding, rows: list[np.ndarray], first_gap: Optional[float], n_past: int, r: _Round,
+                     n_generated: int) -> None:
+    """Record the accepted rows whose top two logits are within the tolerance: the only places
+    where plain decoding could have chosen another token (and the first row's, in round one)."""
+    if first_gap is not None:
+        _judge_first_row(first_gap, d.limits.tolerance(n_past, 1), d.stats)
+    if not d.sampling.greedy or (d.proposer is None and d.limits.reuse is None):
+        return
+    tolerance = d.limits.tolerance(n_past - r.n_pending, r.n_pending + len(r.proposal.tokens) + 1)
+    if math.isnan(tolerance):  # this level measured nothing, so nothing can be judged
+        d.stats.near_ties = None
+        return
+    for i, row in enumerate(rows):
+        if near_tie(row, tolerance):
+            d.stats.near_tie_positions.append(n_generated + i)
 
 
 def _judge_first_row(gap: float, tolerance: float, stats: Stats) -> None:
@@ -170,28 +208,7 @@ def _judge_first_row(gap: float, tolerance: float, stats: Stats) -> None:
         stats.near_tie_positions.insert(0, 0)
 
 
-def _count_near_ties(rows: list[np.ndarray], tolerance: float, n_generated: int, stats: Stats) -> None:
-    """Record the accepted rows whose top two logits are within tolerance: the only places
-    where plain decoding could have chosen another token."""
-    if math.isnan(tolerance):  # this level measured nothing, so nothing can be judged
-        stats.near_ties = None
-        return
-    for i, row in enumerate(rows):
-        if near_tie(row, tolerance):
-            stats.near_tie_positions.append(n_generated + i)
-
-
-def _shape(policy: Any, target: Runtime, k_cap: int, constraint: Optional[Constraint]) -> Optional[TreeShape]:
-    """How far this round may branch: trees need a target that verifies them and no constraint
-    (a grammar's state follows one path)."""
-    width = getattr(policy, "width", 1)
-    if width <= 1 or target.n_branches <= 1 or constraint is not None:
-        return None
-    return TreeShape(width, k_cap, target.n_branches, policy.sibling, policy.lookup_node)
-
-
-def _verify(target: Runtime, proposal: Proposal, sampling: SamplingSettings, rng: np.random.Generator,
-            constraint: Optional[Constraint]) -> tuple[list[int], int, list[np.ndarray]]:
+def _verify(d: Decoding, proposal: Proposal) -> tuple[list[int], int, list[np.ndarray]]:
     """(the accepted drafts' indices, next_token, the rows the verifier read, as tokens were
     chosen from them, in path order).
 
@@ -199,17 +216,18 @@ def _verify(target: Runtime, proposal: Proposal, sampling: SamplingSettings, rng
     once it has accepted x_{i-1}, which the constraint then consumes; the round's last token
     is consumed last, so the constraint ends holding exactly the accepted tokens.
     """
+    target, sampling, constraint = d.target, d.sampling, d.constraint
     seen: list[np.ndarray] = []
-    if proposal.parents is not None:  # a tree (never under a constraint): walk it
+    if proposal.tree is not None:  # a tree (never under a constraint): walk it
         def row(node: int) -> np.ndarray:
             seen.append(target.logits(node + 1))
             return seen[-1]
 
         if sampling.greedy:
-            path, next_token = tree_greedy_verify(proposal.tokens, proposal.parents, lambda node: greedy(row(node)))
+            path, next_token = tree_greedy_verify(proposal.tokens, proposal.tree, lambda node: greedy(row(node)))
         else:
-            path, next_token = tree_speculative_verify(proposal.tokens, proposal.parents, proposal.q,
-                                                       lambda node: distribution(row(node), sampling), rng)
+            path, next_token = tree_speculative_verify(proposal.tokens, proposal.tree, proposal.q or [],
+                                                       lambda node: distribution(row(node), sampling), d.rng)
         return path, next_token, seen
 
     def rows() -> Iterator[np.ndarray]:
@@ -225,7 +243,7 @@ def _verify(target: Runtime, proposal: Proposal, sampling: SamplingSettings, rng
     else:
         q = proposal.q if proposal.q is not None else [None] * len(proposal.tokens)
         n_accepted, next_token = speculative_verify(proposal.tokens, q,
-                                                    (distribution(row, sampling) for row in rows()), rng)
+                                                    (distribution(row, sampling) for row in rows()), d.rng)
     if constraint is not None:
         constraint.accept(next_token)
     return list(range(n_accepted)), next_token, seen
@@ -245,23 +263,7 @@ def _exploring(constraint: Optional[Constraint], tokens: list[int]) -> Iterator[
         constraint.rollback(len(tokens))
 
 
-def _after(forced: list[int], proposal: Proposal) -> Proposal:
-    """forced, then the proposal: one round (a forced token's q is one-hot, as lookup's)."""
-    if not forced:
-        return proposal
-    q = [None] * len(forced) + list(proposal.q) if proposal.q is not None else None
-    return Proposal([*forced, *proposal.tokens], q)
-
-
-def _within(proposal: Proposal, n: int) -> Proposal:
-    """The proposal's first n tokens."""
-    if n >= len(proposal.tokens):
-        return proposal
-    return Proposal(proposal.tokens[:n], proposal.q[:n] if proposal.q is not None else None,
-                    proposal.confidence[:n])
-
-
-def _logprobs(target: Runtime, tokens: list[int], n_top: Optional[int],
+def _logprobs(target: Model, tokens: list[int], n_top: Optional[int],
               rows: Optional[Sequence[int]] = None) -> Optional[list]:
     """Each token's log-probability in its row of the last decode (token i's is rows[i], or
     row i), with the row's top n_top."""
@@ -272,6 +274,6 @@ def _logprobs(target: Runtime, tokens: list[int], n_top: Optional[int],
         row = target.logits(rows[i] if rows is not None else i).astype(np.float64)
         m = row.max()
         logp = row - (m + math.log(np.exp(row - m).sum()))
-        top = top_candidates(logp, n_top) if n_top else []
+        top: Sequence[int] = top_candidates(logp, n_top).tolist() if n_top else []
         out.append((float(logp[token]), [(int(t), float(logp[t])) for t in top]))
     return out

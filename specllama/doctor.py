@@ -11,12 +11,17 @@ import platform
 import shutil
 import subprocess
 import sys
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 from . import runtime
+from .runtime.protocols import Drafter
+
+if TYPE_CHECKING:
+    from .runtime.core import Runtime
 from .calibrate import calibrate_fidelity, costs as measured_costs
 from .controller import OnlineCosts, draft_can_pay
-from .fidelity import LEVELS, MAX_VERIFY, group_label, kv_group
+from .fidelity import LEVELS, group_label, kv_group
+from .limits import MAX_VERIFY
 
 REBUILD = ("bash scripts/setup.sh (it picks Metal or CUDA for the machine), or in your own environment "
            "CMAKE_ARGS=-DGGML_CUDA=on pip install --force-reinstall --no-cache-dir llama-cpp-python==0.3.36")
@@ -63,7 +68,7 @@ def system_report() -> dict:
             "rpc": runtime.supports_rpc(), "hardware_gpus": gpus, "warnings": warnings}
 
 
-def model_report(target: runtime.Runtime, draft: Optional[runtime.Runtime], n_groups: int = 3) -> dict:
+def model_report(target: "Runtime", draft: Optional[Drafter], n_groups: int = 3) -> dict:
     """Fidelity per KV length, decode costs and the verdict on the draft (cached measurements;
     the first call measures, which prefills up to about 600 tokens)."""
     fidelity = calibrate_fidelity(target, n_groups)
@@ -80,7 +85,7 @@ def model_report(target: runtime.Runtime, draft: Optional[runtime.Runtime], n_gr
             "verdict": verdict(costs, k_max, draft is not None)}
 
 
-def memory_report(target: runtime.Runtime) -> dict:
+def memory_report(target: "Runtime") -> dict:
     """The target's memory type, how rejected tokens leave it, and its MTP layers."""
     target.truncate(0)
     target.decode(target.tokenize("The size of one state", add_special=False))
@@ -129,3 +134,28 @@ def verdict(costs, k_max: int, has_draft: bool) -> str:
             f"{costs.draft_token * 1000:.0f} ms a token; with every draft accepted it would run {best:.1f}x plain "
             f"speed, and real gains follow the acceptance. Each further verify row costs about {row:.0f} ms "
             f"({row / v1:.0%} of a token): a tree's sibling pays where it is picked more often than that")
+
+
+def print_report(report: dict) -> list[str]:
+    """`specllama doctor`'s lines for a system_report (with "model": model_report's, if any)."""
+    info = report["llama_cpp"]
+    lines = [f"llama-cpp-python {info['llama_cpp_python']}: {info['system_info']}",
+             f"backends: {', '.join(report['backends'])}; GPU offload: {'yes' if report['gpu_offload'] else 'no'}; "
+             f"RPC workers (--rpc, specllama worker): {'yes' if report['rpc'] else 'no, ' + runtime.NO_RPC_BUILD}"]
+    lines += [f"  {d['name']} ({d['kind']}, {d['description']}): {d['free'] / 2**30:.1f} of "
+              f"{d['total'] / 2**30:.1f} GiB free" for d in report["devices"]]
+    lines.append("GPUs on this machine: " + (", ".join(report["hardware_gpus"]) or "none found"))
+    lines += [f"warning: {warning}" for warning in report["warnings"]]
+    m = report.get("model")
+    if m:
+        lines.append(f"\n{m['target']}" + (f" with draft {m['draft']}" if m["draft"] else "") + ":")
+        lines.append("  " + m["memory_plan"].replace("\n", "\n  ") + ("" if m["memory_fits"] else "  (does not fit)"))
+        lines += [f"  {line}" for line in describe_memory(m["memory"])]
+        lines.append(f"  largest verify batch (bitwise / rounding, bound {m['rounding_bound']:g} logits):")
+        lines += [f"    {row['kv']:>14}: {row['max_verify_bitwise']:2} / {row['max_verify_rounding']:2}"
+                  f"   (largest difference {row['max_diff']:.3g})" for row in m["fidelity"]]
+        v = m["costs_ms"]["v"]
+        lines.append("  decode ms by batch size: " + ", ".join(f"{n}: {t}" for n, t in v.items())
+                     + (f"; draft {m['costs_ms']['draft_token']} a token" if m["draft"] else ""))
+        lines.append(f"  verdict: {m['verdict']}")
+    return lines

@@ -199,7 +199,7 @@ def select_draft(target_path: Path, hub: Hub, registry: Registry, *, repo_id: Op
         decision.warning = (f"the draft is {c.size_ratio:.0%} of the target's size; above a third it usually "
                             "costs more than it saves")
     if download:
-        path = Path(c.path) if c.path else hub.download(c.repo_id, c.filename, sha256=registry.sha256)
+        path = Path(c.path) if c.path else hub.download(_str(c.repo_id), _str(c.filename), sha256=registry.sha256)
         decision.draft_path = str(path)
         _store(key, {"draft_path": str(path), "chosen": asdict(c), "reason": decision.reason})
     return decision
@@ -275,7 +275,7 @@ def _check(c: Candidate, target: VocabInfo, hub: Hub) -> None:
         if c.path:
             fields = gguf_check.read_header(c.path).fields
         else:
-            read = hub.read_header(c.repo_id, c.filename,
+            read = hub.read_header(_str(c.repo_id), _str(c.filename),
                                    reject=lambda partial, lengths: early_mismatch(target, partial, lengths))
             c.header_bytes = read.n_bytes_fetched
             fields, complete = read.fields, read.complete
@@ -292,6 +292,12 @@ def _check(c: Candidate, target: VocabInfo, hub: Hub) -> None:
         c.verdict, c.reason = "rejected", str(e).split(": ", 1)[-1].split("; pick")[0]
         return
     c.verdict, c.reason = "compatible", "same vocabulary"
+
+
+def _str(value: Optional[str]) -> str:
+    """A Hub candidate's repo id or file name (local candidates have a path instead)."""
+    assert value is not None
+    return value
 
 
 def _leading_fields(path: Path) -> Optional[dict]:
@@ -348,7 +354,8 @@ def resolve_pair(target: str, draft: Optional[str], *, hub: Optional[Hub] = None
     if decision.draft_path is None:
         notes.append(f"draft: {decision.reason}; running the target alone")
         return t.path, None, notes
-    notes.append(f"draft: {Path(decision.draft_path).name} ({'cached choice' if decision.from_cache else decision.reason})")
+    why = "cached choice" if decision.from_cache else decision.reason
+    notes.append(f"draft: {Path(decision.draft_path).name} ({why})")
     if decision.warning:
         notes.append(f"draft: {decision.warning}")
     return t.path, Path(decision.draft_path), notes

@@ -29,6 +29,8 @@ from typing import Any, Optional
 import numpy as np
 
 from .errors import InvalidParameterError
+from .limits import MAX_VERIFY
+from .runtime.batches import KV_PAD, kv_length
 
 # Measured with `specllama calibrate` on our 2-core CPUs (Intel Sapphire Rapids, AMD EPYC): F16
 # rows differ by float rounding, 0.008-0.05 up to KV length 1024 and 0.105-0.129 at 1280-2048,
@@ -36,8 +38,6 @@ from .errors import InvalidParameterError
 # different activation quantization, not rounding). 0.25 sits between the two, about 2x from
 # each side.
 ROUNDING_BOUND = 0.25
-MAX_VERIFY = 17  # sizes 2..17 are measured; the controller drafts at most 16 tokens
-KV_PAD = 256  # llama.cpp pads the KV length it attends over to a multiple of 256 (get_n_kv)
 UNLIMITED = 1 << 30
 
 
@@ -70,11 +70,6 @@ def parse_level(exact: Any) -> Level:
         return Level("bound", float(exact))
     raise InvalidParameterError("exact", exact, '"bitwise", "rounding" (default), "off", '
                                                 "or a bound in logits >= 0")
-
-
-def kv_length(n_cells: int, n_ctx: int) -> int:
-    """The padded KV length llama.cpp attends over when n_cells cells are in use."""
-    return min(n_ctx, max(KV_PAD, -(-n_cells // KV_PAD) * KV_PAD))
 
 
 def kv_group(n_kv: int) -> int:

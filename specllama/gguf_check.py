@@ -100,7 +100,7 @@ def _value(cur: _Cursor, vtype: int, on_array: Any = None) -> Any:
     if vtype == GGUFValueType.STRING:
         return cur.string()
     if vtype in _SCALARS:
-        return cur.unpack(_SCALARS[vtype])
+        return cur.unpack(_SCALARS[GGUFValueType(vtype)])
     if vtype == GGUFValueType.ARRAY:
         item_type, n = cur.unpack("<I"), cur.unpack("<Q")
         if on_array is not None:
@@ -108,7 +108,9 @@ def _value(cur: _Cursor, vtype: int, on_array: Any = None) -> Any:
         if item_type in _SCALARS:
             size = struct.calcsize(_SCALARS[item_type])
             start = cur.take(n * size)
-            return list(struct.unpack_from(f"<{n}{_SCALARS[item_type][1]}", cur.buf, start)) if n < 4096 else (item_type, n)
+            if n >= 4096:
+                return item_type, n
+            return list(struct.unpack_from(f"<{n}{_SCALARS[item_type][1]}", cur.buf, start))
         if item_type == GGUFValueType.STRING:
             return [cur.string() for _ in range(n)]
         raise ValueError(f"array of unsupported type {item_type}")
@@ -176,7 +178,8 @@ def _parse(cur: _Cursor, file_size: int, fields: dict[str, Any], array_lengths: 
             raise ValueError(f"general.alignment={alignment!r} is not a power of two")
         header.data_offset = -(-cur.pos // alignment) * alignment
     except _OutOfFile as e:
-        raise ValueError(f"the header runs past the end of the file (needs byte {e.pos}, file has {file_size})") from None
+        raise ValueError(f"the header runs past the end of the file (needs byte {e.pos}, file has {file_size})") \
+            from None
     return header
 
 

@@ -15,16 +15,18 @@ def home() -> Path | None:
 
 
 def config_dir() -> Path:
-    if home() is not None:
-        return home()
+    user = home()
+    if user is not None:
+        return user
     if sys.platform == "darwin":
         return Path.home() / "Library" / "Application Support" / "specllama"
     return Path(os.environ.get("XDG_CONFIG_HOME", Path.home() / ".config")) / "specllama"
 
 
 def cache_dir() -> Path:
-    if home() is not None:
-        return home() / "cache"
+    user = home()
+    if user is not None:
+        return user / "cache"
     if sys.platform == "darwin":
         return Path.home() / "Library" / "Caches" / "specllama"
     return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "specllama"

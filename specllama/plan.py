@@ -18,7 +18,7 @@ import psutil
 
 from . import gguf_check
 from .errors import SpecLlamaError
-from .runtime import N_RS_SEQ, Device, ModelSettings, devices, offload_devices
+from .runtime.settings import N_RS_SEQ, Device, ModelSettings, offload_devices
 
 KV_BYTES_PER_ELEMENT = {"f32": 4.0, "f16": 2.0, "bf16": 2.0, "q8_0": 34 / 32, "q5_1": 24 / 32,
                         "q5_0": 22 / 32, "q4_1": 20 / 32, "q4_0": 18 / 32}
@@ -129,8 +129,8 @@ class MemoryPlan:
         if self.prompt_cache:
             lines.append(f"prompt cache: up to {self.prompt_cache / GiB:.2f} GiB of saved states in RAM")
         both = sum(m.total for m in self.models)
-        share = f" (draft {self.draft.total / max(1, both):.0%} of it)" if self.draft else ""
-        lines.append(f"needed {self.needed_ram / GiB:.2f} GiB of RAM{share}, available "
+        draft_share = f" (draft {self.draft.total / max(1, both):.0%} of it)" if self.draft else ""
+        lines.append(f"needed {self.needed_ram / GiB:.2f} GiB of RAM{draft_share}, available "
                      f"{self.available_ram / GiB:.2f} GiB" + (" (unified memory)" if self.unified_memory else ""))
         if self.needed_gpu:
             free = "unknown" if self.available_gpu is None else f"{self.available_gpu / GiB:.2f} GiB"
@@ -176,7 +176,7 @@ def _layer_kinds(f: dict, arch: str, n_layer: int) -> tuple[int, int]:
 
     Hybrids in llama.cpp's qwen35 family name every full_attention_interval-th layer
     attention and the rest gated delta nets, whose state (f32, one sequence) is kept
-    1 + runtime.N_RS_SEQ times for per-token rollback; MTP (nextn) layers are attention
+    1 + N_RS_SEQ times for per-token rollback; MTP (nextn) layers are attention
     layers, in a second context when loaded. Other architectures count as attention-only.
     """
     interval = int(f.get(f"{arch}.full_attention_interval", 0) or 0)
@@ -187,7 +187,8 @@ def _layer_kinds(f: dict, arch: str, n_layer: int) -> tuple[int, int]:
     n_trunk = n_layer - n_nextn
     n_recurrent = n_trunk - n_trunk // interval
     n_v_heads = int(f.get(f"{arch}.ssm.time_step_rank", 0) or 0)
-    conv_dim = int(f.get(f"{arch}.ssm.inner_size", 0) or 0) + 2 * int(f.get(f"{arch}.ssm.group_count", 0) or 0) * d_state
+    n_groups = int(f.get(f"{arch}.ssm.group_count", 0) or 0)
+    conv_dim = int(f.get(f"{arch}.ssm.inner_size", 0) or 0) + 2 * n_groups * d_state
     per_layer = 4 * (n_v_heads * d_state * d_state + (int(f.get(f"{arch}.ssm.conv_kernel", 4) or 4) - 1) * conv_dim)
     return n_layer - n_recurrent, n_recurrent * per_layer * (1 + N_RS_SEQ)
 
@@ -200,6 +201,8 @@ def available_memory() -> tuple[int, bool]:
 def gpu_memory() -> tuple[Optional[int], Optional[int], list[str]]:
     """(free bytes of the discrete GPUs, free bytes of an integrated/unified GPU, their names),
     as llama.cpp's backends report them; None where there is no such device."""
+    from .runtime.ggml import devices  # loads llama.cpp: only when a plan needs the devices
+
     found = [d for d in devices() if d.kind in ("gpu", "igpu")]
     discrete = [d.free for d in found if d.discrete]
     unified = [d.free for d in found if not d.discrete]
@@ -266,7 +269,8 @@ def ways_out(plan: MemoryPlan, n_ctx: int) -> list[str]:
                    "(the live conversation is still reused)")
     if plan.draft is not None:
         out.append("a smaller draft model")
-        out.append(f"no draft model: draft='ngram' (prompt lookup needs no memory) saves {plan.draft.total / GiB:.2f} GiB")
+        out.append("no draft model: draft='ngram' (prompt lookup needs no memory) saves "
+                   f"{plan.draft.total / GiB:.2f} GiB")
     short = []
     if plan.needed_ram > plan.available_ram:
         short.append(f"{(plan.needed_ram - plan.available_ram) / GiB:.2f} GiB of RAM")

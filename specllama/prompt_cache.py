@@ -20,7 +20,9 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from .errors import DecodeError
-from .runtime import PrefillRow, SavedState, common_prefix
+from .runtime.protocols import Model
+from .runtime.session import common_prefix
+from .runtime.state import PrefillRow, SavedState
 
 log = logging.getLogger("specllama")
 
@@ -90,9 +92,9 @@ class Budget:
 
 
 class PromptCache:
-    """The prompt cache of one runtime (a Runtime or RemoteRuntime)."""
+    """The prompt cache of one model (a Runtime or RemoteRuntime)."""
 
-    def __init__(self, runtime: Any, budget: Budget):
+    def __init__(self, runtime: Model, budget: Budget):
         self.runtime = runtime
         self.budget = budget
         self.n_hits = 0  # prefills that reused at least one token

@@ -1,58 +1,40 @@
-"""Proposers: where the candidate tokens x_1..x_k of a round come from."""
+"""Proposers: where the candidate tokens x_1..x_k of a round come from.
+
+A generation starts its Proposer once (start: the prompt, the sampling settings and random
+generator, the constraint and the policy that decides how far to draft); each round then asks
+for a proposal from one source, and the draft's report of what it did lands in `report`.
+"""
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator, Sequence
-from typing import NamedTuple, Optional
+from dataclasses import dataclass
+from typing import Optional
 
 import numpy as np
 
 from .constraints import Constraint
 from .prompt_cache import PromptCache
-from .runtime import Runtime, common_prefix
+from .proposals import EMPTY, NO_REPORT, DraftMore, DraftReport, Proposal, TreeShape
+from .runtime.protocols import Drafter
+from .runtime.session import common_prefix
 from .sampling import Dist, SamplingSettings, distribution, greedy, sample, top_candidates
+from .tree import Tree
 
 
-class Proposal(NamedTuple):
-    """Drafted tokens and, for sampling, the distributions q_i they were drawn from.
+@dataclass
+class Generation:
+    """What every round of one generation shares: its sampling, random draws, constraint, and
+    the policy's draft_more (how far to draft, asked after each drafted token)."""
 
-    A chain (parents None) proposes x_1..x_k in order. A tree gives each token its parent's
-    index (-1: the round's newest token); a node's children are tried in the order listed,
-    and a child's q is the distribution it was drawn from given its earlier siblings. The
-    first child of each node is the draft's own chain.
-    """
-
-    tokens: list[int]
-    q: Optional[list[Optional[Dist]]] = None  # None: deterministic proposals (greedy or lookup)
-    confidence: Sequence[float] = ()  # the draft model's probability of each token (NaN: lookup's)
-    dropped: Optional[tuple[int, float]] = None  # a token drafted but not proposed, with its confidence
-    parents: Optional[list[int]] = None
-    # what the draft model decoded before drafting (its prefill, or catching up with tokens
-    # other sources proposed): tokens and seconds
-    catch_up: tuple[int, float] = (0, 0.0)
+    sampling: SamplingSettings
+    rng: np.random.Generator
+    draft_more: DraftMore
+    constraint: Optional[Constraint] = None
 
 
-EMPTY = Proposal([])
-
-# After the draft picks x_i: "more" (decode it, draft another), "stop" (propose x_1..x_i) or
-# "drop" (propose x_1..x_{i-1}); called with the draft's confidence in x_1..x_i.
-DraftMore = Callable[[list[float]], str]
-
-
-class TreeShape(NamedTuple):
-    """How far a round may branch: at most width candidates per position, n_nodes tokens and
-    n_branches leaves in all; sibling(confidence) says whether a next-best draft token is
-    worth its verify row, lookup_node(depth) the same for prompt lookup's tokens."""
-
-    width: int
-    n_nodes: int
-    n_branches: int
-    sibling: Callable[[float], bool]
-    lookup_node: Callable[[int], bool]
-
-
-class _Tree:
+class _TreeBuilder:
     """A tree proposal as it is built: the draft's chain, siblings beside it, lookup's branch."""
 
     def __init__(self, shape: Optional[TreeShape]):
@@ -71,30 +53,30 @@ class _Tree:
     def add(self, token: int, parent: int, q: Optional[Dist], confidence: float) -> int:
         if parent in self.parents:  # beside an existing child: a new branch
             self.n_leaves += 1
-        self.tokens.append(token), self.parents.append(parent), self.q.append(q), self.confidence.append(confidence)
+        self.tokens.append(token)
+        self.parents.append(parent)
+        self.q.append(q)
+        self.confidence.append(confidence)
         return len(self.tokens) - 1
-
-    def child(self, parent: int, token: int) -> Optional[int]:
-        return next((i for i, (t, p) in enumerate(zip(self.tokens, self.parents)) if p == parent and t == token),
-                    None)
-
-    def proposal(self, sampled: bool, dropped: Optional[tuple[int, float]]) -> Proposal:
-        chain = self.parents == list(range(-1, len(self.tokens) - 1))  # nothing branched
-        return Proposal(self.tokens, (self.q or None) if sampled else None, self.confidence, dropped,
-                        None if chain else self.parents)
 
     def merge(self, offer: Sequence[int]) -> None:
         """Add prompt lookup's continuation: shared tokens are free, the rest a branch beside
         the draft's where each token pays for its row."""
+        assert self.shape is not None
         node = -1
         for depth, token in enumerate(offer, 1):
-            found = self.child(node, token)
+            found = next((i for i, (t, p) in enumerate(zip(self.tokens, self.parents)) if p == node and t == token),
+                         None)
             if found is not None:
                 node = found
                 continue
             if self.full(node in self.parents) or not self.shape.lookup_node(depth):
                 return
             node = self.add(token, node, None, float("nan"))
+
+    def proposal(self, sampled: bool) -> Proposal:
+        tree = Tree(self.parents)
+        return Proposal(self.tokens, (self.q or None) if sampled else None, None if tree.is_chain else tree)
 
 
 class DraftModelProposer:
@@ -103,16 +85,12 @@ class DraftModelProposer:
     The cache is not rolled back here: each propose() syncs it to the accepted tokens, which
     keeps the accepted prefix, drops rejected drafts and feeds what the draft has not seen
     (the correction token, tokens other sources proposed, and the last draft token after a
-    fully accepted round).
+    fully accepted round). A draft that follows its target (MTP layers) is fed by the target's
+    own decodes, the prompt's included: nothing to prefill.
     """
 
-    def __init__(self, draft: Runtime, cache: Optional[PromptCache] = None, canonical: bool = False,
-                 follows_target: bool = False):
-        self.draft = draft
-        self.cache = cache
-        # the target's MTP layers (runtime.MtpHead) are fed by the target's own decodes, the
-        # prompt's included: nothing to prefill
-        self.follows_target = follows_target
+    def __init__(self, draft: Drafter, cache: Optional[PromptCache] = None, canonical: bool = False):
+        self.draft, self.cache = draft, cache
         # a seeded sampled generation needs q independent of what ran before: the draft then
         # reuses only what a fresh prefill computes bit for bit, like the target
         self.canonical = canonical
@@ -128,7 +106,7 @@ class DraftModelProposer:
     def lag(self, tokens: Sequence[int]) -> tuple[int, bool]:
         """(tokens the draft would decode before drafting after tokens, whether that includes
         its prefill): 1 in the steady state, more after rounds from other sources."""
-        if self.follows_target:
+        if self.draft.follows_target:
             return 0, False
         have = self.draft.cached
         if self._prompt is not None:
@@ -137,8 +115,9 @@ class DraftModelProposer:
 
     def _prefill_now(self) -> None:
         tokens, self._prompt = self._prompt, None
+        assert tokens is not None
         t0 = time.perf_counter()
-        if self.follows_target:
+        if self.draft.follows_target:
             pass
         elif len(tokens) > self.draft.n_ctx:
             self.draft.truncate(0)
@@ -149,10 +128,8 @@ class DraftModelProposer:
             self.n_prompt_cached = self.cache.prefill(tokens, self.canonical).n_reused
         self.t_prefill = time.perf_counter() - t0
 
-    def propose(self, tokens: Sequence[int], n_draft: int, sampling: SamplingSettings,
-                rng: np.random.Generator, draft_more: DraftMore,
-                constraint: Optional[Constraint] = None, shape: Optional[TreeShape] = None,
-                offer: Sequence[int] = ()) -> Proposal:
+    def propose(self, tokens: Sequence[int], n_draft: int, gen: Generation, shape: Optional[TreeShape] = None,
+                offer: Sequence[int] = ()) -> tuple[Proposal, DraftReport]:
         """Draft up to n_draft tokens after tokens; under a constraint, from rows shaped as the
         target's will be (its state is explored and rolled back). With a shape (and no
         constraint), the draft's next-best tokens at a position may be proposed beside its
@@ -160,10 +137,11 @@ class DraftModelProposer:
         so they cost verify rows but no draft step."""
         n_draft = min(n_draft, self.draft.n_ctx - len(tokens) + 1)
         if n_draft <= 0:
-            return EMPTY
+            return EMPTY, NO_REPORT
         catch_up = self._sync(tokens)
+        constraint, sampling = gen.constraint, gen.sampling
         branching = shape is not None and shape.width > 1 and constraint is None
-        tree = _Tree(shape if branching else None)
+        tree = _TreeBuilder(shape if branching else None)
         n_history = len(constraint.history) if constraint is not None else 0
         confidence: list[float] = []
         parent, dropped = -1, None
@@ -178,17 +156,18 @@ class DraftModelProposer:
                     confidence.append(_top_probability(row))
                 else:
                     q_i = distribution(row, sampling)
-                    x = sample(q_i, rng)
+                    x = sample(q_i, gen.rng)
                     confidence.append(q_i.prob(x))
-                decision = draft_more(_deciding(confidence, q_i))
+                decision = gen.draft_more(_deciding(confidence, q_i))
                 if decision == "drop":
                     dropped = (x, confidence.pop())
                     break
                 node = tree.add(x, parent, q_i, confidence[-1])
                 if branching:
+                    assert shape is not None
                     wanted = lambda c: not tree.full(True) and shape.sibling(c)  # noqa: E731
                     top = confidence[-1] if sampling.greedy else 0.0
-                    for alt, q_alt, c_alt in _next_best(row, x, q_i, top, shape.width - 1, rng, wanted):
+                    for alt, q_alt, c_alt in _next_best(row, x, q_i, top, shape.width - 1, gen.rng, wanted):
                         tree.add(alt, parent, q_alt, c_alt)
                 parent = node
                 if decision == "stop" or i + 1 == n_draft or tree.full(False):
@@ -198,14 +177,14 @@ class DraftModelProposer:
                 self.draft.decode([x])
             if branching and offer:
                 tree.merge(offer)
-            return tree.proposal(not sampling.greedy, dropped)._replace(catch_up=catch_up)
+            return tree.proposal(not sampling.greedy), DraftReport(tree.confidence, dropped, catch_up)
         finally:
             if constraint is not None:  # the constraint follows accepted tokens only
                 constraint.rollback(len(constraint.history) - n_history)
 
     def _sync(self, tokens: Sequence[int]) -> tuple[int, float]:
         """Bring the draft to tokens (prefilling it first if it has not been): what that decoded."""
-        if self.follows_target:  # fed by the target's decodes: nothing of its own to catch up
+        if self.draft.follows_target:  # fed by the target's decodes: nothing of its own to catch up
             if self._prompt is not None:
                 self._prefill_now()
             self.draft.sync(tokens)
@@ -218,6 +197,7 @@ class DraftModelProposer:
         self.draft.sync(tokens)
         return max(1, len(tokens) - n_have), time.perf_counter() - t0
 
+
 def _deciding(confidence: list[float], q: Optional[Dist]) -> list[float]:
     """The confidences a policy decides on after the draft picked its latest token. Sampled:
     the latest is replaced by the probability a draw from q is expected to have. Whether a
@@ -228,7 +208,8 @@ def _deciding(confidence: list[float], q: Optional[Dist]) -> list[float]:
 
 
 def _next_best(row: np.ndarray, x: int, q: Optional[Dist], top: float, n: int, rng: np.random.Generator,
-               wanted: Callable[[float], bool] = lambda confidence: True) -> Iterator[tuple[int, Optional[Dist], float]]:
+               wanted: Callable[[float], bool] = lambda confidence: True
+               ) -> Iterator[tuple[int, Optional[Dist], float]]:
     """Up to n candidates beside x from the same draft row, best first, as (token, the
     distribution it was drawn from given the ones before, the draft's probability of it),
     while wanted(confidence) says yes, asked before each is drawn. Greedy: the next-largest
@@ -277,7 +258,6 @@ class PromptLookupProposer:
         self.n_min, self.n_max = n_min, n_max
         self._index: dict[tuple[int, ...], int] = {}  # n-gram -> end of its latest occurrence
         self._tokens: list[int] = []
-        self.last_match = 0  # length of the n-gram behind the last proposal (0: none)
 
     def prefill(self, tokens: Sequence[int]) -> None:
         self._index.clear()
@@ -286,7 +266,7 @@ class PromptLookupProposer:
 
     def _extend(self, tokens: Sequence[int]) -> None:
         n_old = len(self._tokens)
-        if tokens[:n_old] != self._tokens:  # a different sequence: index from scratch
+        if list(tokens[:n_old]) != self._tokens:  # a different sequence: index from scratch
             self._index.clear()
             n_old = 0
         self._tokens = list(tokens)
@@ -304,13 +284,10 @@ class PromptLookupProposer:
                 return n, end
         return 0, 0
 
-    def propose(self, tokens: Sequence[int], n_draft: int, sampling: SamplingSettings,
-                rng: np.random.Generator, draft_more: Optional[DraftMore] = None) -> Proposal:
+    def offer(self, tokens: Sequence[int], n_max: int) -> tuple[int, list[int]]:
+        """(n-gram length of the longest match, up to n_max tokens that followed it)."""
         n, start = self.match(tokens)
-        self.last_match = n
-        if n == 0:
-            return EMPTY
-        return Proposal(list(tokens[start:start + n_draft]), None)
+        return (n, list(tokens[start:start + n_max])) if n and n_max > 0 else (0, [])
 
 
 class Proposer:
@@ -319,11 +296,15 @@ class Proposer:
 
     def __init__(self, draft: Optional[DraftModelProposer], lookup: Optional[PromptLookupProposer]):
         self.draft, self.lookup = draft, lookup
+        self.gen: Optional[Generation] = None
+        self.report = NO_REPORT  # what the draft did for the last proposal
 
-    def prefill(self, tokens: Sequence[int]) -> None:
+    def start(self, prompt: Sequence[int], gen: Generation) -> None:
+        """A generation after prompt begins."""
+        self.gen, self.report = gen, NO_REPORT
         for source in (self.draft, self.lookup):
             if source is not None:
-                source.prefill(tokens)
+                source.prefill(prompt)
 
     def draft_prefill(self) -> tuple[int, float]:
         """(prompt tokens the draft model reused, seconds its prefill took); 0s if it never ran."""
@@ -335,19 +316,17 @@ class Proposer:
 
     def lookup_offer(self, tokens: Sequence[int], n_max: int) -> tuple[int, list[int]]:
         """(n-gram length of prompt lookup's match, up to n_max tokens it would propose)."""
-        if self.lookup is None or n_max <= 0:
-            return 0, []
-        n, start = self.lookup.match(tokens)
-        return (n, list(tokens[start:start + n_max])) if n else (0, [])
+        return self.lookup.offer(tokens, n_max) if self.lookup is not None else (0, [])
 
-    def propose(self, tokens: Sequence[int], source: str, n_draft: int, sampling: SamplingSettings,
-                rng: np.random.Generator, draft_more: DraftMore,
-                constraint: Optional[Constraint] = None, shape: Optional[TreeShape] = None,
-                offer: Sequence[int] = ()) -> Proposal:
+    def propose(self, tokens: Sequence[int], source: str, n_draft: int, offer: list[int],
+                shape: Optional[TreeShape] = None) -> Proposal:
         """The round's proposal from source; with a shape, a tree that may take prompt
         lookup's offer in as a branch beside the draft's."""
+        assert self.gen is not None, "start() the generation first"
+        self.report = NO_REPORT
         if source == "draft" and self.draft is not None:
-            return self.draft.propose(tokens, n_draft, sampling, rng, draft_more, constraint, shape, offer)
-        if source == "lookup" and self.lookup is not None:
-            return self.lookup.propose(tokens, n_draft, sampling, rng)
+            proposal, self.report = self.draft.propose(tokens, n_draft, self.gen, shape, offer)
+            return proposal
+        if source == "lookup":
+            return Proposal(offer[:n_draft]) if offer else EMPTY
         return EMPTY

@@ -87,7 +87,8 @@ def parse(text: str, source: str) -> Registry:
                     raise RegistryError(f"{where}: missing key {key!r}")
                 continue
             value = entry[key]
-            if not isinstance(value, kind) or (kind is list and not all(isinstance(t, str) and t for t in value)):
+            if not isinstance(value, kind) or (isinstance(value, list) and not all(isinstance(t, str) and t
+                                                                                   for t in value)):
                 want = "a list of repo ids" if kind is list else kind.__name__
                 raise RegistryError(f"{where}: key {key!r} must be {want}, not {value!r}")
         pairs.append(Pair(entry["family"], tuple(entry["targets"]), entry["draft"],

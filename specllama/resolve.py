@@ -60,11 +60,16 @@ def quant_of(filename: str) -> Optional[str]:
     return found[-1].lower() if found else None
 
 
+def _first_part(filename: str) -> bool:
+    """Whether a GGUF file is loadable by name: whole, or the first part of a split one."""
+    split = SPLIT_RE.search(filename)
+    return split is None or split.group(1) == "00001"
+
+
 def choose_file(repo_id: str, files: dict[str, int], selector: Optional[str],
                 preference: list[str] = QUANT_PREFERENCE) -> tuple[str, str]:
     """Pick one GGUF (the first part of a split one) from a repo. Returns (filename, note)."""
-    loadable = {f: s for f, s in files.items()
-                if not SPLIT_RE.search(f) or SPLIT_RE.search(f).group(1) == "00001"}
+    loadable = {f: s for f, s in files.items() if _first_part(f)}
     loadable = {f: s for f, s in loadable.items() if "mmproj" not in f.lower()}
     if not loadable:
         raise HubError(f"{repo_id} has no .gguf files")

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
-from typing import Any, Optional
+from typing import Optional
+
+from .tree import Tree
 
 
 @dataclass
@@ -76,13 +78,10 @@ class Stats:
             for i in range(n):
                 counts[i] += 1
 
-    def record_tree(self, proposal: Any, path: list[int]) -> None:
+    def record_tree(self, tree: Tree, path: list[int]) -> None:
         """A tree round whose accepted path was path (node indices)."""
         self.n_tree_rounds += 1
-        first_children = {}
-        for i, parent in enumerate(proposal.parents):
-            first_children.setdefault(parent, i)
-        self.n_branch_accepted += sum(first_children.get(proposal.parents[i]) != i for i in path)
+        self.n_branch_accepted += sum(i not in tree.first_children for i in path)
 
     @property
     def acceptance_rate(self) -> float:

@@ -71,7 +71,7 @@ class ToolFormat:
             "required": ["name", self.arguments_key], "additionalProperties": False} for t in tools]}
         body = f"%json {json.dumps(call)}"
         if self.name == "mistral":
-            many = f'"[" call (", " call)* "]"' if parallel else '"[" call "]"'
+            many = '"[" call (", " call)* "]"' if parallel else '"[" call "]"'
             return f"start: {_lark_token(self.open, special)} \" \" {many}\ncall: {body}\n"
         if self.name == "llama3":
             return f"start: call\ncall: {body}\n"

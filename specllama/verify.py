@@ -14,6 +14,7 @@ from typing import Optional
 import numpy as np
 
 from .sampling import Dist, sample
+from .tree import Tree
 
 
 def greedy_verify(draft_tokens: Sequence[int], target_argmax: Iterable[int]) -> tuple[int, int]:
@@ -67,7 +68,9 @@ def speculative_verify(
         if i == len(draft_tokens):
             return i, sample(p_i, rng)
         x_i = draft_tokens[i]
-        q_i = q[i] if q[i] is not None else Dist.one_hot(x_i)
+        q_i = q[i]
+        if q_i is None:
+            q_i = Dist.one_hot(x_i)
         p_x, q_x = p_i.prob(x_i), q_i.prob(x_i)
         if rng.random() * q_x < p_x:  # r < p/q, without dividing by a q that may be 0
             continue
@@ -76,31 +79,21 @@ def speculative_verify(
 
 
 # --- trees ------------------------------------------------------------------------------------
-# A tree proposal lists nodes x_1..x_n with parents[i] the index of x_i's parent (-1: the
+# A tree proposal lists nodes x_1..x_n in a Tree (tree.py: each node's parent, -1 being the
 # round's newest token, the root). The target's pass gives one row per node (p_root, then
 # p_1..p_n): the row of a node is the target's distribution for its children.
 
 
-def children_of(parents: Sequence[int]) -> dict[int, list[int]]:
-    """node -> its children, in proposal order (-1 is the root)."""
-    children: dict[int, list[int]] = {}
-    for i, parent in enumerate(parents):
-        if not -1 <= parent < i:
-            raise ValueError(f"node {i}'s parent {parent} must come before it (or be -1, the root)")
-        children.setdefault(parent, []).append(i)
-    return children
-
-
-def tree_greedy_verify(tokens: Sequence[int], parents: Sequence[int],
+def tree_greedy_verify(tokens: Sequence[int], tree: Tree,
                        target_argmax: Callable[[int], int]) -> tuple[list[int], int]:
     """Walk the tree from the root, following the child whose token is the argmax of its
     parent's row: (the accepted nodes, root to deepest, then the target's token after them).
 
     Args:
-        tokens, parents: the tree.
+        tokens, tree: the tree's tokens and shape.
         target_argmax: argmax of a node's row (-1: the root's); asked only for nodes on the path.
     """
-    children = children_of(parents)
+    children = tree.children
     path: list[int] = []
     node = -1
     while True:
@@ -114,7 +107,7 @@ def tree_greedy_verify(tokens: Sequence[int], parents: Sequence[int],
 
 def tree_speculative_verify(
     tokens: Sequence[int],
-    parents: Sequence[int],
+    tree: Tree,
     q: Sequence[Optional[Dist]],
     p: Callable[[int], Dist],
     rng: np.random.Generator,
@@ -131,19 +124,21 @@ def tree_speculative_verify(
     deterministic candidate (prompt lookup): one-hot on its token.
 
     Args:
-        tokens, parents: the tree.
+        tokens, tree: the tree's tokens and shape.
         q: per node, the distribution its token was drawn from, given its earlier siblings.
         p: the target's distribution at a node's row (-1: the root's).
         rng: the generator every random draw comes from.
     """
-    children = children_of(parents)
+    children = tree.children
     path: list[int] = []
     node = -1
     while True:
         p_node = p(node)
         for child in children.get(node, ()):
             x = tokens[child]
-            q_x_dist = q[child] if q[child] is not None else Dist.one_hot(x)
+            q_x_dist = q[child]
+            if q_x_dist is None:
+                q_x_dist = Dist.one_hot(x)
             p_x, q_x = p_node.prob(x), q_x_dist.prob(x)
             if rng.random() * q_x < p_x:
                 path.append(child)

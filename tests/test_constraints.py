@@ -10,7 +10,6 @@ import llama_cpp
 import numpy as np
 import pytest
 
-from conftest import SETTINGS
 from specllama import ConstraintError, InvalidParameterError
 from specllama.constraints import Constraint, Grammar, Penalties, check_logit_bias, grammar_source
 from specllama.sampling import SamplingSettings, distribution

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from specllama.controller import (Acceptance, Controller, Costs, FixedDraft, OnlineCosts, draft_can_pay)
-from specllama.proposers import Proposal
+from specllama.proposals import DraftReport, Proposal, RoundOutcome
 
 # memory-bound target (F16 on a Mac or an RTX card): a pass over k+1 tokens costs little more than one
 MEMORY_BOUND = Costs(verify=tuple(0.100 + 0.004 * n for n in range(1, 18)), draft_token=0.010)
@@ -63,8 +63,8 @@ def simulate(policy, true: Costs, stream, n_rounds: int, seed: int = 0, clock: C
         t_verify = jitter(true.v(len(confidences) + 1))
         # the target's token after the accepted drafts: what a dropped draft would have been judged by
         new = [ACCEPTED] * n_acc + [ACCEPTED if dropped is not None and dropped[0] == ACCEPTED else REJECTED]
-        proposal = Proposal([ACCEPTED] * len(confidences), None, confidences, dropped)
-        policy.observe(source, proposal, new, t_verify, [], True)
+        proposal = Proposal([ACCEPTED] * len(confidences))
+        policy.observe(RoundOutcome(source, proposal, new, t_verify, True, DraftReport(confidences, dropped)))
         n_tokens += n_acc + 1
         elapsed += t_draft + t_verify
         lengths.append(len(confidences))
@@ -250,7 +250,8 @@ def test_lookup_is_chosen_when_it_is_predicted_to_yield_more():
         choices.append(source)
         proposal = Proposal(offer[:k] if source == "lookup" else [])
         new = offer[:k] + [7] if source == "lookup" else offer[:1]
-        policy.observe(source, proposal, new, MEMORY_BOUND.v(len(proposal.tokens) + 1), offer, True)
+        policy.observe(RoundOutcome(source, proposal, new, MEMORY_BOUND.v(len(proposal.tokens) + 1), True,
+                                    offer=offer))
     assert choices[:3] == ["none"] * 3  # plain rounds measure v(1), and judge the offers meanwhile
     assert choices[3:].count("lookup") >= 25
     assert policy.plan(16, 4, 12) == ("lookup", 12)
@@ -265,8 +266,9 @@ def test_lookup_is_judged_in_rounds_it_was_not_chosen():
     for _ in range(20):
         good.plan(16, 4, len(offer))  # plan sees the offer first, as in the loop
         poor.plan(16, 4, len(offer))
-        good.observe("draft", Proposal([5, 6], None, [0.9, 0.9]), [5, 6, 7], 0.1, offer, True)
-        poor.observe("draft", Proposal([5, 6], None, [0.9, 0.9]), [5, 6, 7], 0.1, [9, 9, 9, 9], True)
+        report = DraftReport([0.9, 0.9])
+        good.observe(RoundOutcome("draft", Proposal([5, 6]), [5, 6, 7], 0.1, True, report, offer))
+        poor.observe(RoundOutcome("draft", Proposal([5, 6]), [5, 6, 7], 0.1, True, report, [9, 9, 9, 9]))
     assert good.lookup_alpha(4) > 0.9 and poor.lookup_alpha(4) < 0.1
 
 
@@ -274,7 +276,7 @@ def test_a_dropped_draft_is_judged_when_its_position_is_reached():
     acc = Controller(OnlineCosts(MEMORY_BOUND), 16, has_draft=True, lookup=False).draft_acceptance
     policy = Controller(OnlineCosts(MEMORY_BOUND), 16, has_draft=True, lookup=False)
     for _ in range(30):  # the draft is unsure (0.4) of tokens the target then picks anyway
-        policy.observe("draft", Proposal([3], None, [0.97], dropped=(4, 0.4)), [3, 4], 0.1, [], True)
+        policy.observe(RoundOutcome("draft", Proposal([3]), [3, 4], 0.1, True, DraftReport([0.97], dropped=(4, 0.4))))
     assert policy.draft_acceptance.predict(0.4) > 0.9 > acc.predict(0.4)
     assert policy.draft_acceptance.mean_seen < 30  # only proposed tokens count toward the mean
 

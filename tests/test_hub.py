@@ -150,7 +150,7 @@ def test_cli_draft_command_json(server, hub_env):
 def test_cli_errors_are_one_line(server, hub_env):
     result = CliRunner().invoke(main, ["run", "nobody/missing-GGUF", "hi"])
     assert result.exit_code != 0
-    lines = [l for l in result.output.splitlines() if l.strip()]
+    lines = [line for line in result.output.splitlines() if line.strip()]
     assert len(lines) == 1 and "not found" in lines[0] and "Traceback" not in result.output
 
 

@@ -211,12 +211,12 @@ def test_doctor_says_which_rollback_a_model_gets_and_whether_it_has_mtp_heads(ti
 
 def test_a_build_without_the_mtp_functions_says_so_and_decodes_plainly(tiny_paths, expected, monkeypatch, caplog):
     """llama_cpp_ext binds staging symbols that a build may lack: then one line, no draft."""
-    import specllama.runtime as runtime
+    import specllama.runtime.mtp as mtp
 
     def missing():
-        raise runtime.MtpUnavailable("this llama.cpp build lacks the MTP staging functions (test)")
+        raise mtp.MtpUnavailable("this llama.cpp build lacks the MTP staging functions (test)")
 
-    monkeypatch.setattr(runtime, "_mtp_api", missing)
+    monkeypatch.setattr(mtp, "mtp_api", missing)
     with caplog.at_level("WARNING", logger="specllama"):
         with specllama.load(tiny_paths["hybrid-target"], "mtp", exact="bitwise", **SETTINGS) as llm:
             r = llm.generate(PROMPTS[0], max_tokens=N_TOKENS)

@@ -15,22 +15,22 @@ def test_proposes_the_continuation_of_the_longest_latest_match():
     p = PromptLookupProposer(n_min=2, n_max=4)
     tokens = [1, 2, 3, 4, 5, 9, 9, 2, 3, 4, 6, 7, 8, 2, 3, 4]
     p.prefill(tokens[:5])
-    proposal = p.propose(tokens, 3, GREEDY, RNG)
-    assert proposal.tokens == [6, 7, 8]  # "2 3 4" last seen followed by 6 7 8
-    assert proposal.q is None and p.last_match == 3
+    n_match, offer = p.offer(tokens, 3)
+    assert offer == [6, 7, 8]  # "2 3 4" last seen followed by 6 7 8
+    assert n_match == 3
 
 
 def test_no_match_proposes_nothing():
     p = PromptLookupProposer()
     p.prefill([1, 2, 3])
-    assert p.propose([1, 2, 3, 4, 5], 4, GREEDY, RNG).tokens == []
+    assert p.offer([1, 2, 3, 4, 5], 4) == (0, [])
 
 
 def test_index_follows_a_different_sequence():
     p = PromptLookupProposer(n_min=2, n_max=2)
     p.prefill([1, 2, 3, 1, 2])
-    assert p.propose([1, 2, 3, 1, 2], 2, GREEDY, RNG).tokens == [3, 1]
-    assert p.propose([5, 6, 7, 5, 6], 2, GREEDY, RNG).tokens == [7, 5]
+    assert p.offer([1, 2, 3, 1, 2], 2)[1] == [3, 1]
+    assert p.offer([5, 6, 7, 5, 6], 2)[1] == [7, 5]
 
 
 def test_incremental_index_equals_a_fresh_one():
@@ -41,7 +41,7 @@ def test_incremental_index_equals_a_fresh_one():
     for end in range(21, 300, 7):
         fresh = PromptLookupProposer()
         fresh.prefill(seq[:end])
-        assert grown.propose(seq[:end], 5, GREEDY, RNG) == fresh.propose(seq[:end], 5, GREEDY, RNG)
+        assert grown.offer(seq[:end], 5) == fresh.offer(seq[:end], 5)
 
 
 def test_sampled_siblings_are_drawn_without_replacement_and_say_so():

@@ -30,7 +30,8 @@ def test_user_file_extends_and_overrides(tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize("text, message", [
-    ('[[pairs]]\nfamily = "x"\ntargets = ["a/b"]\ndraft = "c/d"\nspeed = 3\n', r"\[\[pairs\]\] #1: unknown key 'speed'"),
+    ('[[pairs]]\nfamily = "x"\ntargets = ["a/b"]\ndraft = "c/d"\nspeed = 3\n',
+     r"\[\[pairs\]\] #1: unknown key 'speed'"),
     ('[[pairs]]\nfamily = "x"\ntargets = "a/b"\ndraft = "c/d"\n', r"\[\[pairs\]\] #1: key 'targets' must be a list"),
     ('[[pairs]]\nfamily = "x"\ntargets = ["a/b"]\n', r"\[\[pairs\]\] #1: missing key 'draft'"),
     ('[[pairs]]\nfamily = "x"\ntargets = ["a/b"]\ndraft = "c/d"\nverified = "yes"\n', "key 'verified' must be bool"),

@@ -20,7 +20,7 @@ from specllama import runtime
 from specllama.fidelity import top_gap
 from specllama.errors import InvalidParameterError, RpcError
 from specllama.plan import device_shares, make_plan
-from specllama.remote import check_reachable
+from specllama.runtime.rpc import check_reachable
 from specllama.runtime import Device, ModelSettings, offload_devices, parse_endpoints
 
 from conftest import SETTINGS

@@ -76,7 +76,8 @@ def test_ids_are_sorted_most_likely_first(logits):
 def test_ties_are_broken_by_lower_id():
     logits = np.zeros(10, dtype=np.float32)
     assert greedy(logits) == 0
-    assert distribution(logits, SamplingSettings(temperature=1.0, top_k=3, top_p=1.0, min_p=0.0)).ids.tolist() == [0, 1, 2]
+    settings = SamplingSettings(temperature=1.0, top_k=3, top_p=1.0, min_p=0.0)
+    assert distribution(logits, settings).ids.tolist() == [0, 1, 2]
 
 
 def test_sample_follows_the_distribution():

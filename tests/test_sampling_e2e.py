@@ -84,8 +84,11 @@ def test_only_unseeded_generations_share_what_the_controller_learned(pair):
     """What the draft's confidence means is learned across a pair's unseeded generations, one
     calibration for greedy drafts (top probability) and one for sampled drafts (q of the
     token drawn); a seeded generation starts fresh and frozen, so history cannot steer it."""
+    from specllama.options import GenerateOptions
+
     def policy(seeded, greedy):
-        return pair._policy("auto", pair.level, seeded=seeded, greedy=greedy)
+        options = GenerateOptions(temperature=0.0 if greedy else 0.7, seed=1 if seeded else None, n_draft="auto")
+        return pair.planner._policy(pair._request(pair.tokenize("hi"), options))
 
     greedy, greedy_again, sampled = policy(False, True), policy(False, True), policy(False, False)
     assert greedy.draft_acceptance is greedy_again.draft_acceptance and greedy.costs is sampled.costs

@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 
 from specllama.sampling import Dist
-from specllama.verify import children_of, residual, tree_greedy_verify, tree_speculative_verify
+from specllama.tree import Tree
+from specllama.verify import residual, tree_greedy_verify, tree_speculative_verify
 from test_verify import chi2_critical, chi2_stat
 
 V = 5
@@ -65,7 +66,7 @@ def test_tree_output_is_distributed_as_the_target(lookup):
                 return Dist.from_dense(P_AFTER[tokens[node]])
             return Dist.from_dense(np.full(V, 1.0 / V))  # below depth 2: not counted
 
-        path, t = tree_speculative_verify(tokens, parents, q, p, rng)
+        path, t = tree_speculative_verify(tokens, Tree(parents), q, p, rng)
         out = [tokens[i] for i in path] + [t]
         n_deep += len(path) >= 2
         if len(out) < 2:  # the next round draws the second token from the target
@@ -84,7 +85,8 @@ def test_the_check_rejects_siblings_judged_without_the_residual(monkeypatch):
     counts = np.zeros(V, dtype=np.int64)
     for _ in range(40_000):
         tokens, parents, q = draw_tree(rng, lookup=False)
-        path, t = tree_speculative_verify(tokens[:2], parents[:2], q[:2], lambda node: Dist.from_dense(P_ROOT), rng)
+        path, t = tree_speculative_verify(tokens[:2], Tree(parents[:2]), q[:2], lambda node: Dist.from_dense(P_ROOT),
+                                          rng)
         counts[tokens[path[0]] if path else t] += 1
     stat, df = chi2_stat(counts, P_ROOT)
     assert stat > chi2_critical(df)
@@ -101,7 +103,7 @@ def test_more_siblings_accept_more():
                 q_j = without(Q_ROOT, taken)
                 x = int(rng.choice(V, p=q_j))
                 tokens.append(x), q.append(Dist.from_dense(q_j)), taken.append(x)
-            path, _ = tree_speculative_verify(tokens, [-1] * width, q, lambda node: Dist.from_dense(P_ROOT), rng)
+            path, _ = tree_speculative_verify(tokens, Tree([-1] * width), q, lambda node: Dist.from_dense(P_ROOT), rng)
             kept[width] += bool(path)
     alpha = np.minimum(P_ROOT, Q_ROOT).sum()
     assert abs(kept[1] / 20_000 - alpha) < 0.015
@@ -112,10 +114,10 @@ def test_greedy_walk_follows_the_argmax():
     # root -> 5 (node 0) -> 6 (node 1); root -> 7 (node 2) -> 8 (node 3); node 0 -> 9 (node 4)
     tokens, parents = [5, 6, 7, 8, 9], [-1, 0, -1, 2, 0]
     argmax = {-1: 7, 2: 8, 3: 1}
-    assert tree_greedy_verify(tokens, parents, argmax.__getitem__) == ([2, 3], 1)
-    assert tree_greedy_verify(tokens, parents, {-1: 5, 0: 9, 4: 3}.__getitem__) == ([0, 4], 3)
-    assert tree_greedy_verify(tokens, parents, {-1: 4}.__getitem__) == ([], 4)
-    assert tree_greedy_verify([], [], {-1: 4}.__getitem__) == ([], 4)
+    assert tree_greedy_verify(tokens, Tree(parents), argmax.__getitem__) == ([2, 3], 1)
+    assert tree_greedy_verify(tokens, Tree(parents), {-1: 5, 0: 9, 4: 3}.__getitem__) == ([0, 4], 3)
+    assert tree_greedy_verify(tokens, Tree(parents), {-1: 4}.__getitem__) == ([], 4)
+    assert tree_greedy_verify([], Tree([]), {-1: 4}.__getitem__) == ([], 4)
 
 
 def test_greedy_walk_reads_only_the_path():
@@ -125,20 +127,20 @@ def test_greedy_walk_reads_only_the_path():
         read.append(node)
         return {-1: 7, 2: 0}[node]
 
-    tree_greedy_verify([5, 6, 7, 8], [-1, 0, -1, 2], argmax)
+    tree_greedy_verify([5, 6, 7, 8], Tree([-1, 0, -1, 2]), argmax)
     assert read == [-1, 2]
 
 
 def test_a_chain_is_a_tree():
     """A chain (each node the child of the one before) verifies as the chain verifier does."""
     p = Dist.from_dense(np.array([0.0, 1.0]))
-    path, t = tree_speculative_verify([1, 1], [-1, 0], [p, p], lambda node: p, np.random.default_rng(0))
+    path, t = tree_speculative_verify([1, 1], Tree([-1, 0]), [p, p], lambda node: p, np.random.default_rng(0))
     assert (path, t) == ([0, 1], 1)
     assert residual(p, p) is p
 
 
 def test_parents_must_come_first():
     with pytest.raises(ValueError):
-        children_of([-1, 2, 0])
+        Tree([-1, 2, 0])
     with pytest.raises(ValueError):
-        children_of([-2])
+        Tree([-2])

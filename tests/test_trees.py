@@ -12,11 +12,13 @@ import pytest
 
 import specllama
 from specllama.controller import Acceptance, Controller, Costs, OnlineCosts
-from specllama.decode import generate_steps
+from specllama.decode import Decoding, generate_steps
 from specllama.errors import InvalidParameterError
 from specllama.fidelity import LEVELS, Limits
 from specllama.proposers import DraftModelProposer, PromptLookupProposer, Proposer
+from specllama.proposals import Proposal
 from specllama.runtime import ModelSettings, Runtime
+from specllama.tree import Tree
 from specllama.sampling import SamplingSettings, distribution
 from specllama.stats import Stats
 from test_interrupts import Boom, interrupt_nth_call
@@ -69,11 +71,12 @@ def test_tree_rows_and_the_kept_path_are_single_token_decoding(tiny_paths):
                     break
             tokens = [int(t) for t in rng.integers(100, 5000, n)]
             n_root = len(rt.cached)
-            rt.decode_tree(tokens, parents)
+            # tokens[0] is the root; the runtime takes the nodes after it, each parent one lower
+            rt.decode_tree(tokens[0], tokens[1:], Tree([p - 1 for p in parents[1:]]))
             rows = [rt.logits(i).copy() for i in range(n)]
             path = _path_to(parents, int(rng.integers(0, n)))
             path = path[:int(rng.integers(1, len(path) + 1))]
-            rt.truncate(n_root + len(path), path)
+            rt.truncate(n_root + len(path), [i - 1 for i in path[1:]])
             assert rt.cached[n_root:] == [tokens[i] for i in path]
             n_off_branch += rt.n_pending > 0
             alone.truncate(0)
@@ -95,14 +98,14 @@ def test_trees_are_checked(tiny_paths):
     with Runtime.load(tiny_paths["attention-draft"], ModelSettings(n_ctx=256, n_threads=2), n_branches=2) as rt:
         rt.decode(rt.tokenize("hello"))
         with pytest.raises(ValueError, match="branches"):
-            rt.decode_tree([1, 2, 3, 4], [-1, 0, 0, 0])  # three leaves
+            rt.decode_tree(1, [2, 3, 4], Tree([-1, -1, -1]))  # three leaves
         with pytest.raises(ValueError, match="parents"):
-            rt.decode_tree([1, 2], [-1, 1])
+            rt.decode_tree(1, [2], Tree([0]))
         n_root = len(rt.cached)
-        rt.decode_tree([1, 2, 3], [-1, 0, 0])
+        rt.decode_tree(1, [2, 3], Tree([-1, -1]))
         with pytest.raises(ValueError, match="not a path"):
-            rt.truncate(len(rt.cached), [0, 2, 1])
-        rt.truncate(n_root + 2, [0, 2])  # after the error the tree is still there to keep a path of
+            rt.truncate(len(rt.cached), [1, 0])
+        rt.truncate(n_root + 2, [1])  # after the error the tree is still there to keep a path of
         assert rt.cached[n_root:] == [1, 3] and rt.n_pending == 1
     with Runtime.load(tiny_paths["hybrid-target"], ModelSettings(n_ctx=256, n_threads=2), n_branches=8) as rt:
         assert rt.n_branches == 1  # recurrent memory keeps one state per sequence: chains only
@@ -135,9 +138,9 @@ def test_the_controller_grows_trees_and_stays_exact(tiny_paths, expected):
                                 acceptance=Acceptance(), width=3)
             stats = Stats()
             out = []
-            steps = generate_steps(target, Proposer(DraftModelProposer(draft), PromptLookupProposer()),
-                                   SamplingSettings(), np.random.default_rng(0), tokens, policy,
-                                   Limits(LEVELS["off"], None), stats)
+            steps = generate_steps(Decoding(target, Proposer(DraftModelProposer(draft), PromptLookupProposer()),
+                                            policy, SamplingSettings(), np.random.default_rng(0),
+                                            Limits(LEVELS["off"], None), stats), tokens)
             for step in steps:
                 out.extend(step.tokens)
                 if len(out) >= N_TOKENS:
@@ -237,13 +240,15 @@ def test_sampled_proposals_are_decided_without_looking_at_the_drawn_token(tiny_p
     """Whether a sampled draft token, or a sibling, is proposed may depend on what came before
     it, never on its own value: the verifier judges it as drawn from q, and one kept only
     where it came out likely is not (chi-square cannot see this bias at test sizes; this can)."""
-    from specllama.proposers import TreeShape
+    from specllama.proposals import TreeShape
+    from specllama.proposers import Generation
 
     sampling = SamplingSettings(temperature=1.0, top_k=6, top_p=1.0, min_p=0.0)
     with Runtime.load(tiny_paths["hybrid-target"], ModelSettings(**SETTINGS, rollback="checkpoint")) as draft:
         proposer = DraftModelProposer(draft)
         prompt = draft.tokenize("Once upon a time")
         proposer.prefill(prompt)
+        proposal: Proposal
         asked, drawn = set(), set()
         sibling_asked: dict[int, set] = {}  # the draft's token -> what the first sibling was asked with
         sibling_drawn: dict[int, set] = {}
@@ -259,13 +264,14 @@ def test_sampled_proposals_are_decided_without_looking_at_the_drawn_token(tiny_p
                 return True
 
             shape = TreeShape(3, 8, 8, sibling, lambda depth: False)
-            proposal = proposer.propose(prompt, 1, sampling, np.random.default_rng(seed), draft_more, shape=shape)
+            proposal, _ = proposer.propose(prompt, 1, Generation(sampling, np.random.default_rng(seed), draft_more),
+                                           shape)
             x = proposal.tokens[0]
             asked.add(round(calls[0], 12))
             drawn.add(x)
             sibling_asked.setdefault(x, set()).add(round(sibling_calls[0], 12))
             sibling_drawn.setdefault(x, set()).add(proposal.tokens[1])
-            chain = proposer.propose(prompt, 1, sampling, np.random.default_rng(seed), draft_more)
+            chain, _ = proposer.propose(prompt, 1, Generation(sampling, np.random.default_rng(seed), draft_more))
             asked.add(round(calls[-1], 12))
             drawn.add(chain.tokens[0])
     assert len(drawn) > 2  # the draws differ

@@ -1,0 +1,112 @@
+"""P(target accepts a drafted token | the draft's confidence in it), learned per model pair."""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Sequence
+from typing import Optional
+
+import numpy as np
+
+
+N_EXPLORE = 8  # judged drafts before the controller trusts a pair's acceptance over optimism
+
+# Edges of the draft-confidence bins (the draft's probability of the token it proposes).
+CONFIDENCE_EDGES = [0.3, 0.5, 0.7, 0.8, 0.9, 0.95, 0.98]
+_BIN_PRIOR = np.array([0.15, 0.4, 0.6, 0.75, 0.85, 0.92, 0.96, 0.99])  # ~ a calibrated draft
+# a tree's sibling (the draft's second or third choice) is picked less often than a first
+# choice of the same confidence: the target mostly agrees with the draft's first
+_SIBLING_PRIOR = np.array([0.05, 0.15, 0.3, 0.45, 0.55, 0.65, 0.75, 0.85])
+
+
+class Acceptance:
+    """P(target accepts a drafted token | the draft's confidence in it), learned as it goes,
+    and the mean acceptance of this text's drafts.
+
+    How confidence maps to acceptance is a property of the draft/target pair more than of the
+    text (on our code, prose, edit and JSON runs every token drafted with confidence >= 0.9 was
+    accepted), so one Acceptance serves a model pair's generations: its bins decay slowly,
+    and new_text() keeps them. A bin with little data leans on a prior near its confidence,
+    and the predictions are kept non-decreasing in confidence (pool adjacent violators): a few
+    unlucky rejections in one bin must not rank it below a less confident one. The mean
+    follows the text: it decays faster, and new_text() shrinks it to a weak prior.
+    """
+
+    def __init__(self, decay: float = 0.98, mean_decay: float = 0.95, prior_weight: float = 2.0,
+                 prior: Optional[np.ndarray] = None):
+        self.decay, self.mean_decay, self.w = decay, mean_decay, prior_weight
+        self.prior = _BIN_PRIOR if prior is None else prior
+        self.hits = np.zeros(len(_BIN_PRIOR))
+        self.seen = np.zeros(len(_BIN_PRIOR))
+        self.mean_hits, self.mean_seen = 0.0, 0.0
+        self.n_judged = 0  # drafts ever judged (never decays: whether the pair has been tried)
+        self._table: Optional[np.ndarray] = None  # the monotone predictions, per bin
+        self._siblings: Optional["Acceptance"] = None
+
+    @property
+    def siblings(self) -> "Acceptance":
+        """The same calibration for the draft's next-best tokens a tree verifies beside its own."""
+        if self._siblings is None:
+            self._siblings = Acceptance(self.decay, self.mean_decay, self.w, prior=_SIBLING_PRIOR)
+        return self._siblings
+
+    def predict(self, confidence: float) -> float:
+        if self._table is None:
+            self._table = _non_decreasing((self.hits + self.prior * self.w) / (self.seen + self.w),
+                                          self.seen + self.w)
+        return float(self._table[bisect.bisect_right(CONFIDENCE_EDGES, confidence)])
+
+    def mean(self, prior: float = 0.6) -> float:
+        """Acceptance of the tokens that were drafted lately, whatever their confidence."""
+        return (self.mean_hits + prior * self.w) / (self.mean_seen + self.w)
+
+    def as_dict(self) -> dict:
+        """The predicted acceptance from each confidence edge up, with the tokens behind it."""
+        return {f">={edge}": [round(self.predict(edge), 3), round(float(seen), 1)]
+                for edge, seen in zip([0.0, *CONFIDENCE_EDGES], self.seen)}
+
+    def new_text(self) -> None:
+        """A new generation: the last text's mean acceptance stays only as a prior worth w tokens."""
+        if self.mean_seen > self.w:
+            self.mean_hits *= self.w / self.mean_seen
+            self.mean_seen = self.w
+
+    def age(self) -> None:
+        if self._siblings is not None:
+            self._siblings.age()
+        self.hits *= self.decay
+        self.seen *= self.decay
+        self.mean_hits *= self.mean_decay
+        self.mean_seen *= self.mean_decay
+        self._table = None
+
+    def observe(self, confidences: Sequence[float], n_accepted: int) -> None:
+        """A round's drafts with their confidences; the target judged up to the first rejection."""
+        n_judged = min(len(confidences), n_accepted + 1)
+        for i, c in enumerate(confidences[:n_judged]):
+            self.judge(c, i < n_accepted, proposed=True)
+
+    def judge(self, confidence: float, accepted: bool, *, proposed: bool) -> None:
+        """One judged draft token. A token the draft dropped (not proposed) but whose position
+        the round reached is judged too, against the target's own token there: without it the
+        low-confidence bins would never learn, since low confidence is where drafting stops."""
+        b = bisect.bisect_right(CONFIDENCE_EDGES, confidence)
+        self.n_judged += 1
+        self.seen[b] += 1
+        self.hits[b] += accepted
+        self._table = None
+        if proposed:
+            self.mean_seen += 1
+            self.mean_hits += accepted
+
+
+def _non_decreasing(y: np.ndarray, weight: np.ndarray) -> np.ndarray:
+    """The weighted least-squares non-decreasing fit to y (pool adjacent violators)."""
+    blocks: list[list[float]] = []  # [mean, weight, n_bins]
+    for y_i, w_i in zip(y.tolist(), weight.tolist()):
+        blocks.append([y_i, w_i, 1])
+        while len(blocks) > 1 and blocks[-2][0] > blocks[-1][0]:
+            m2, w2, n2 = blocks.pop()
+            m1, w1, n1 = blocks.pop()
+            blocks.append([(m1 * w1 + m2 * w2) / (w1 + w2), w1 + w2, n1 + n2])
+    return np.repeat([m for m, _, _ in blocks], [int(n) for _, _, n in blocks])

@@ -1,0 +1,148 @@
+"""What the controller weighs: the target's cost to verify n tokens and the draft's per token,
+from a calibration that the rounds' own timings keep correcting (OnlineCosts)."""
+
+from __future__ import annotations
+
+import statistics
+from collections import deque
+from dataclasses import dataclass
+from typing import Optional
+
+import numpy as np
+
+
+
+@dataclass(frozen=True)
+class Costs:
+    """Measured seconds: verify[n - 1] for a target pass over n tokens; draft per token."""
+
+    verify: tuple[float, ...]
+    draft_token: float
+
+    def v(self, n: int) -> float:
+        if n <= len(self.verify):
+            return self.verify[n - 1]
+        slope = self.verify[-1] - self.verify[-2] if len(self.verify) > 1 else self.verify[-1]
+        return self.verify[-1] + slope * (n - len(self.verify))
+
+
+MIN_RATIO = 0.05  # the least measured/calibrated ratio a fit may give
+
+
+class OnlineCosts:
+    """Running estimates of v(n) and the draft's cost per token, starting from a calibration.
+
+    The calibrated curve (made non-decreasing) gives v(n)'s shape; what rounds measure scales
+    it. Sizes 2 and up share one robust straight line through the ratios measured/calibrated
+    (Theil-Sen, over the last rounds): one pass here scatters 15% from the next, so a per-size
+    median makes neighbouring sizes look 30 ms apart and cuts drafts short, while a line
+    through every size keeps the increments, which decide how far to draft, smooth. v(1), the
+    figure every choice is weighed against, is measured by the occasional plain round, relative
+    to the line's level at the time: the machine's load moves the whole curve, so v(1) follows
+    it between plain rounds instead of going stale. The draft cost is the median of the last
+    measured steps. frozen=True keeps the calibration (seeded sampling: the same seed must
+    give the same text, so no timing may steer the rounds).
+    """
+
+    def __init__(self, seed: Costs, *, window: int = 9, frozen: bool = False, refresh: int = 64):
+        self.seed, self.frozen, self.refresh = seed, frozen, refresh
+        # the calibrated curve's shape, non-decreasing: a pass over more tokens never costs less
+        self._shape = Costs(tuple(np.maximum.accumulate(seed.verify).tolist()), seed.draft_token)
+        self._one: deque = deque(maxlen=window)  # [measured / calibrated v(1), the line's level then]
+        self._batches: deque = deque(maxlen=4 * window)  # (n, measured / calibrated v(n)), n >= 2
+        self._draft: deque = deque(maxlen=window)
+        self._catch_up: deque = deque(maxlen=window)  # the draft's seconds per token in a batch
+        self._last_one = 0  # n_observed when v(1) was last measured
+        self._line: Optional[tuple[float, float, int, int]] = None  # cached fit
+        self.n_observed = 0
+
+    def observe_verify(self, n: int, seconds: float) -> None:
+        if self.frozen or seconds <= 0:
+            return
+        ratio = seconds / self._shape.v(n)
+        self.n_observed += 1
+        if n == 1:
+            self._one.append([ratio, self._level() if len(self._batches) >= 3 else None])
+            self._last_one = self.n_observed
+        else:
+            self._batches.append((n, ratio))
+            self._line = None
+            unplaced = [measured for measured in self._one if measured[1] is None]
+            if unplaced and len(self._batches) >= 3:
+                level = self._level()  # plain rounds before any line: the first level after
+                for measured in unplaced:
+                    measured[1] = level
+
+    def wants(self, n: int) -> bool:
+        """Whether v(1) has too few recent measurements to trust (never when frozen)."""
+        if self.frozen or n != 1:
+            return False
+        return len(self._one) < 3 or self.n_observed - self._last_one > self.refresh
+
+    def observe_draft_step(self, seconds: float) -> None:
+        if not self.frozen and seconds > 0:
+            self._draft.append(seconds)
+
+    def observe_catch_up(self, n_tokens: int, seconds: float) -> None:
+        """The draft decoded n_tokens at once (its prefill, or catching up) in seconds."""
+        if not self.frozen and n_tokens >= 2 and seconds > 0:
+            self._catch_up.append(seconds / n_tokens)
+
+    @property
+    def catch_up_token(self) -> float:
+        """The draft's seconds per token decoded in a batch; a single token's cost until measured
+        (no less: a catch-up assumed cheap would send rounds to the draft that lookup serves)."""
+        return statistics.median(self._catch_up) if self._catch_up else self.draft_token
+
+    def _fit(self) -> tuple[float, float, int, int]:
+        """(intercept, slope, n_lo, n_hi) of the ratio line over measured sizes n_lo..n_hi."""
+        if self._line is None:
+            if not self._batches:
+                overall = statistics.median(r for r, _ in self._one) if self._one else 1.0
+                self._line = (overall, 0.0, 2, 2)
+            else:
+                n, r = np.array(self._batches, dtype=float).T
+                i, j = np.triu_indices(len(n), 1)
+                distinct = n[i] != n[j]
+                slope = float(np.median((r[j] - r[i])[distinct] / (n[j] - n[i])[distinct])) if distinct.any() else 0.0
+                self._line = (float(np.median(r - slope * n)), slope, int(n.min()), int(n.max()))
+        return self._line
+
+    def _ratio(self, n: int) -> float:
+        if n == 1 and len(self._one) >= 3:
+            if all(level for _, level in self._one):
+                return statistics.median(r / level for r, level in self._one) * self._level()
+            return statistics.median(r for r, _ in self._one)
+        intercept, slope, n_lo, n_hi = self._fit()
+        # no extrapolating the trend; and however wild the rounds, no cost at or below zero
+        return max(intercept + slope * min(max(n, n_lo), n_hi), MIN_RATIO)
+
+    def _level(self) -> float:
+        return self._ratio(2)
+
+    def v(self, n: int) -> float:
+        return float(self.table(n)[n])
+
+    @property
+    def draft_token(self) -> float:
+        return statistics.median(self._draft) if len(self._draft) >= 3 else self.seed.draft_token
+
+    def table(self, n_max: int) -> np.ndarray:
+        """[0, v(1), ..., v(n_max)]"""
+        v = np.array([self._shape.v(n) * self._ratio(n) for n in range(1, n_max + 1)])
+        v[1:] = np.maximum.accumulate(v[1:])  # more tokens never cost less
+        return np.concatenate(([0.0], v))
+
+    def as_dict(self) -> dict:
+        v = self.table(16)
+        return {"v_ms": {n: round(float(v[n]) * 1000, 2) for n in (1, 2, 3, 4, 6, 8, 12, 16)},
+                "draft_token_ms": round(self.draft_token * 1000, 2),
+                "draft_catch_up_token_ms": round(self.catch_up_token * 1000, 3), "n_observed": self.n_observed,
+                "frozen": self.frozen}
+
+
+def draft_can_pay(costs: OnlineCosts, k_max: int) -> bool:
+    """Whether a draft that is always right would beat plain decoding at some length <= k_max."""
+    ks = np.arange(1, k_max + 1)
+    v = costs.table(k_max + 1)
+    return k_max > 0 and bool(np.max((ks + 1) / (ks * costs.draft_token + v[ks + 1])) > 1.0 / v[1])

@@ -1,0 +1,296 @@
+"""How far to draft each round, and from which source, chosen from this machine's costs and
+this text's acceptance as the generation runs.
+
+Speculation pays when (expected tokens per round) / (round time) beats one plain target step.
+With k drafted tokens, P_j the chance drafts 1..j are all accepted, c_d the draft's cost per
+token and v(n) the target's cost to decode n tokens at once:
+
+    E[tokens | k] = 1 + sum_{j=1..k} P_j        T(k) = k * c_d + v(k + 1)
+
+Each round the Controller compares plain decoding (1 / v(1)), the draft model and prompt
+lookup (free to draft, so T = v(k + 1)) by their best expected rate R. While the draft model
+drafts x_1..x_i, it goes on while m more drafts are expected to bring more tokens than R would
+in the time they take:
+
+    P_i * gain(m) > R * (m * c_d + v(i + 1 + m) - v(i + 1))
+
+P_i, the chance x_1..x_i are all accepted, multiplies the acceptance predicted for each token
+from the draft's own probability of it (a calibration of that confidence against what the
+target accepted, kept per model pair), and gain(m) counts the tokens m more drafts would add
+at the text's mean acceptance. So the draft runs long on code it is sure of and stops at the
+first uncertain token of prose. The yardstick is R, not the round's own E/T (renewal-reward:
+the long-run rate is what a round's time could otherwise buy): after a run of sure tokens a
+round's own E/T stands above R, and on our CPU it stopped code drafts at 3-4 tokens where 5
+paid more. A drafted token is dropped when its chance to add a token is not worth its row in
+the verify pass: P_i < R * (v(i + 1) - v(i)).
+
+Costs are learned online (OnlineCosts): every round times its verify pass and every draft
+step, and robust running estimates correct the calibration they start from, so a noisy or
+stale calibration cannot keep speculation on where it loses.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Optional, Protocol
+
+import numpy as np
+
+from ..proposals import RoundOutcome
+from ..tree import Tree
+from .acceptance import N_EXPLORE, Acceptance
+from ..limits import TREE_ROWS
+from .costs import OnlineCosts
+
+
+class Policy(Protocol):
+    """What the loop asks of a policy each round: plan a source and how far to draft, decide
+    during drafting, and learn from what the round did."""
+
+    limit: int
+    width: int
+    has_draft: bool
+    lookup: bool
+
+    def plan(self, k_cap: int, n_match: int, n_lookup: int, lag: tuple[int, bool] = (0, False)) -> tuple[str, int]: ...
+
+    def draft_more(self, confidences: list[float]) -> str: ...
+
+    def sibling(self, confidence: float) -> bool: ...
+
+    def lookup_node(self, depth: int) -> bool: ...
+
+    def observe(self, outcome: RoundOutcome) -> None: ...
+
+    def as_dict(self) -> dict: ...
+
+
+class FixedDraft:
+    """Always draft k tokens from the draft model (or fewer when the context or the fidelity
+    limit says so); prompt lookup goes first on long matches only when asked to. width > 1
+    verifies a tree: width - 1 of the draft's next-best tokens beside each drafted one."""
+
+    def __init__(self, k: int, *, has_draft: bool = True, lookup: bool = False, width: int = 1):
+        self.limit, self.width = k, width
+        self.has_draft, self.lookup = has_draft, lookup
+
+    def plan(self, k_cap: int, n_match: int, n_lookup: int, lag: tuple[int, bool] = (0, False)) -> tuple[str, int]:
+        k = min(self.limit, k_cap)
+        if k <= 0:
+            return "none", 0
+        if n_lookup and (not self.has_draft or (self.lookup and n_match >= 3)):
+            return "lookup", min(k, n_lookup)
+        return ("draft", k) if self.has_draft else ("none", 0)
+
+    def draft_more(self, confidences: list[float]) -> str:
+        return "more"
+
+    def sibling(self, confidence: float) -> bool:
+        return True
+
+    def lookup_node(self, depth: int) -> bool:
+        return self.lookup
+
+    def observe(self, outcome: RoundOutcome) -> None:
+        pass
+
+    def as_dict(self) -> dict:
+        return {"kind": "fixed", "n_draft": self.limit, **({"width": self.width} if self.width > 1 else {})}
+
+
+class Controller:
+    """Each round: plain, draft model or prompt lookup, and how far, by expected tokens/second.
+
+    Args:
+        costs: OnlineCosts (shared across generations, so what one learned serves the next).
+        limit: the most tokens a round may draft.
+        has_draft, lookup: which sources exist.
+        acceptance: the draft's Acceptance, shared across generations like costs (None: new).
+        clock: seconds now; the gaps between draft_more calls time the draft's steps.
+        width: the most candidates a round may verify at one position (1: chains only).
+        n_tokens: the most tokens the generation may produce (spreads the draft's prefill).
+    """
+
+    def __init__(self, costs: OnlineCosts, limit: int, *, has_draft: bool, lookup: bool,
+                 acceptance: Optional[Acceptance] = None, clock: Callable[[], float] = time.perf_counter,
+                 width: int = 1, n_tokens: int = 256):
+        self.costs, self.limit, self.clock, self.width = costs, limit, clock, width
+        self.n_left = n_tokens
+        self.has_draft, self.lookup = has_draft, lookup
+        self.draft_acceptance = acceptance if acceptance is not None else Acceptance()
+        self.draft_acceptance.new_text()
+        self.lookup_hits = np.zeros(5)  # by match length 2, 3, 4+ (index = min(n, 4))
+        self.lookup_seen = np.zeros(5)
+        self._v = costs.table(limit + TREE_ROWS)
+        self._c_d = costs.draft_token
+        self._round: Optional[_Round] = None
+        self._match = 0  # n-gram length behind this round's lookup proposal
+
+    def _best_draft_rate(self, alpha: float, k_max: int, c_d: Optional[float] = None,
+                         extra: float = 0.0) -> tuple[float, int]:
+        if k_max <= 0:
+            return 0.0, 0
+        ks = np.arange(1, k_max + 1)
+        expected = 1.0 + np.cumsum(alpha ** ks)
+        rates = expected / (ks * (self._c_d if c_d is None else c_d) + self._v[ks + 1] + extra)
+        best = int(np.argmax(rates))
+        return float(rates[best]), best + 1
+
+    def lookup_alpha(self, n_match: int) -> float:
+        i = min(n_match, 4)
+        return float((self.lookup_hits[i] + 0.5 * 2.0) / (self.lookup_seen[i] + 2.0))
+
+    def lag_cost(self, n_lag: int, prefill: bool) -> float:
+        """Seconds of draft decoding a draft round must pay before its first draft, beyond the
+        one token every round feeds it: catching up with tokens other sources proposed, in
+        full; its prefill, spread over the tokens the generation may still produce (a
+        one-time cost, worth paying where the draft will serve many rounds)."""
+        seconds = max(0, n_lag - 1) * self.costs.catch_up_token
+        if prefill:
+            seconds *= (1.0 + self.draft_acceptance.mean()) / max(self.n_left, 1)
+        return seconds
+
+    def plan(self, k_cap: int, n_match: int, n_lookup: int, lag: tuple[int, bool] = (0, False)) -> tuple[str, int]:
+        """The source ("none", "draft", "lookup") and most tokens to draft this round; lag is
+        the draft's (tokens to decode before drafting, whether its prefill is among them)."""
+        k_cap = min(k_cap, self.limit)
+        self._round, self._match = None, n_match
+        best, choice = 1.0 / self._v[1], ("none", 0)
+        if k_cap <= 0 or self.costs.wants(1):
+            # a plain round now and then keeps v(1), the figure every choice is weighed
+            # against, measured: a stale one could keep speculation on where it loses
+            return choice
+        if self.has_draft:
+            # optimistic while the pair has judged few drafts (a prior of 1 worth w tokens): a
+            # draft never tried is never learned (a pessimistic start kept a fresh load plain
+            # through whole generations of code it drafts at 80%), and one round finds out
+            untried = self.draft_acceptance.n_judged < N_EXPLORE
+            alpha = self.draft_acceptance.mean(prior=1.0 if untried else 0.6)
+            rate, _ = self._best_draft_rate(alpha, k_cap, extra=self.lag_cost(*lag))
+            if rate > best:
+                best, choice = rate, ("draft", k_cap)
+        if self.lookup and n_lookup:
+            rate, k = self._best_draft_rate(self.lookup_alpha(n_match), min(k_cap, n_lookup), c_d=0.0)
+            if rate > best:
+                best, choice = rate, ("lookup", k)
+        if choice[0] == "draft":
+            alpha = self.draft_acceptance.mean()
+            gain = [0.0]
+            for m in range(1, choice[1] + 1):
+                gain.append(gain[-1] + alpha ** m)  # expected extra tokens from m more drafts
+            self._round = _Round(choice[1], gain, self._v.tolist(), best)
+        return choice
+
+    def draft_more(self, confidences: list[float]) -> str:
+        """After the draft chose x_i with the given confidence: "more" (decode it and draft
+        another), "stop" (propose x_1..x_i) or "drop" (propose x_1..x_{i-1})."""
+        r, now = self._round, self.clock()
+        if r is None:
+            return "more"
+        if r.t_last is not None:
+            self.costs.observe_draft_step(now - r.t_last)  # one draft decode since the last call
+        r.t_last = now
+        # x_i's row comes after the root, x_1..x_{i-1} and the siblings verified beside them
+        i, v, c_d = len(confidences) + r.n_siblings, r.v, self._c_d
+        p_all = r.p_all * self.draft_acceptance.predict(confidences[-1])
+        # x_i's draft step is spent either way; keeping it costs its row in the verify pass
+        if p_all < r.rate * (v[i + 1] - v[i]):
+            return "drop"
+        r.p_reach, r.p_all, r.n_chain = r.p_all, p_all, len(confidences)
+        # would m more drafts (each accepted at the mean rate) yield more than the rate
+        # rounds achieve would in the time they take?
+        for m in range(1, r.k_max - len(confidences) + 1):
+            if p_all * r.gain[m] > r.rate * (m * c_d + v[i + 1 + m] - v[i + 1]):
+                return "more"
+        return "stop"
+
+    def sibling(self, confidence: float) -> bool:
+        """Whether to verify, beside the token the draft just kept, another it gave this
+        confidence: it adds a token when its position is reached and the target picks it
+        (then the kept token was wrong), worth its row if P(reached) * P(picked) > R * row cost."""
+        r = self._round
+        # the bins pool all low confidences: a 2% second choice must not borrow a 25% one's record
+        return r is not None and self._worth_row(
+            r.p_reach * min(confidence, self.draft_acceptance.siblings.predict(confidence)))
+
+    def lookup_node(self, depth: int) -> bool:
+        """Whether prompt lookup's depth-th token (a branch beside the draft's) pays for its row."""
+        r = self._round
+        return r is not None and self._worth_row(self.lookup_alpha(self._match) ** depth)
+
+    def _worth_row(self, p_gain: float) -> bool:
+        r = self._round
+        assert r is not None  # asked while the draft drafts a round
+        n_rows = 1 + r.n_chain + r.n_siblings
+        if n_rows >= len(r.v) - 1 or p_gain <= r.rate * (r.v[n_rows + 1] - r.v[n_rows]):
+            return False
+        r.n_siblings += 1
+        return True
+
+    def observe(self, outcome: RoundOutcome) -> None:
+        """What a round did (RoundOutcome): its source, proposal and the draft's report, the
+        tokens it produced, its verify time over its rows, and what prompt lookup offered."""
+        proposal, report, new = outcome.proposal, outcome.report, outcome.new
+        n_accepted = len(new) - 1
+        self.n_left -= len(new)
+        self.costs.observe_verify(outcome.rows, outcome.seconds)
+        if report.catch_up[0] >= 2:
+            self.costs.observe_catch_up(*report.catch_up)
+        self.draft_acceptance.age()
+        self.lookup_hits *= self.draft_acceptance.mean_decay
+        self.lookup_seen *= self.draft_acceptance.mean_decay
+        if outcome.source == "draft" and proposal.tree is not None:
+            self._observe_tree(proposal.tokens, proposal.tree, report.confidence, new)
+        elif outcome.source == "draft":
+            self.draft_acceptance.observe(report.confidence, n_accepted)
+            if report.dropped is not None and outcome.greedy and n_accepted == len(proposal.tokens):
+                token, confidence = report.dropped  # its position was reached: new[-1] is the target's
+                self.draft_acceptance.judge(confidence, new[-1] == token, proposed=False)
+        if outcome.offer:
+            self._judge_offer(outcome.offer, new)
+        self._v = self.costs.table(self.limit + TREE_ROWS)
+        self._c_d = self.costs.draft_token
+
+    def _judge_offer(self, offer: list[int], new: list[int]) -> None:
+        """Lookup's offer, judged against what the round produced whoever proposed: free
+        evidence, so lookup is weighed on its record even in rounds it was not chosen."""
+        n_judged = 0
+        for offered, produced in zip(offer, new):
+            n_judged += 1
+            if offered != produced:
+                break
+        i = min(self._match, 4)
+        self.lookup_seen[i] += n_judged
+        self.lookup_hits[i] += n_judged - (offer[n_judged - 1] != new[n_judged - 1])
+
+    def _observe_tree(self, tokens: Sequence[int], tree: Tree, confidence: Sequence[float], new: list[int]) -> None:
+        """Judge every node whose parent the round reached: kept if on the accepted path. The
+        draft's chain calibrates its confidence and counts toward its mean acceptance;
+        siblings calibrate their own."""
+        on_path = {-1, *tree.path_of(tokens, new[:-1])}
+        for i, (parent, c) in enumerate(zip(tree.parents, confidence)):
+            if parent in on_path and c == c:  # reached, and drafted (lookup's have no confidence)
+                if i in tree.first_children:
+                    self.draft_acceptance.judge(c, i in on_path, proposed=True)
+                else:
+                    self.draft_acceptance.siblings.judge(c, i in on_path, proposed=False)
+
+    def as_dict(self) -> dict:
+        return {"kind": "auto", "width": self.width, "draft_model": self.has_draft, "lookup": self.lookup,
+                "draft_acceptance": round(self.draft_acceptance.mean(), 3),
+                "acceptance_by_confidence": self.draft_acceptance.as_dict(), **self.costs.as_dict()}
+
+
+@dataclass
+class _Round:
+    k_max: int
+    gain: list[float]  # gain[m]: expected accepted tokens among m more drafts, if all so far are
+    v: list[float]  # v[n]: the target's cost to verify n tokens
+    rate: float  # tokens per second rounds are expected to achieve
+    p_all: float = 1.0  # chance every draft so far is accepted
+    p_reach: float = 1.0  # chance the latest draft's position is reached
+    n_chain: int = 0  # drafts kept so far
+    n_siblings: int = 0  # tree nodes beside the chain: more verify rows
+    t_last: Optional[float] = None

@@ -1,0 +1,105 @@
+"""The options of one generation, in one dataclass: generate() and stream() take them as
+keywords, the llama-cpp-python methods, the server's translators and the CLI build them, so a
+new option is added here once. What needs the model (token ids, grammars) is checked when a
+generation starts (engine.SpecLlama._request)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Any, Optional, Union
+
+from .errors import InvalidParameterError
+from .limits import MAX_N_DRAFT, TREE_BRANCHES
+
+
+@dataclass(frozen=True)
+class GenerateOptions:
+    """How to generate.
+
+    Attributes:
+        max_tokens: most tokens to generate.
+        temperature, top_k, top_p, min_p: sampling (llama.cpp's order: top_k, top_p, min_p,
+            then temperature); temperature 0 is greedy.
+        seed: seed of the numpy Generator used for sampling (same seed, same output).
+        stop: a string or strings that end generation; they are not included in the text.
+        n_draft: tokens drafted per round, or "auto"; None: the value given to load().
+        exact: fidelity level ("bitwise", "rounding", "off" or a bound in logits); None: load()'s.
+        tree: "auto", or candidates per drafted position (1: chains); None: load()'s.
+        grammar: GBNF text (or a llama_cpp.LlamaGrammar) the output must match.
+        json_schema: a JSON schema the output must match (json.dumps layout).
+        logit_bias: {token id: bias in logits} added to every row.
+        repeat_penalty, frequency_penalty, presence_penalty, penalty_last_n: llama.cpp's
+            repetition penalties over the last penalty_last_n generated tokens.
+        logprobs: None, or alternatives per token (0..20) to report with each token's logprob.
+    """
+
+    max_tokens: int = 256
+    temperature: float = 0.0
+    top_k: int = 40
+    top_p: float = 0.95
+    min_p: float = 0.05
+    seed: Optional[int] = None
+    stop: Union[None, str, tuple[str, ...], list[str]] = None
+    n_draft: Union[None, int, str] = None
+    exact: Union[None, str, float, bool] = None
+    tree: Union[None, int, str, bool] = None
+    grammar: Any = None
+    json_schema: Any = None
+    logit_bias: Optional[dict] = None
+    repeat_penalty: float = 1.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    penalty_last_n: int = 64
+    logprobs: Optional[int] = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            raise InvalidParameterError("max_tokens", self.max_tokens, "an integer >= 1")
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0):
+            raise InvalidParameterError("seed", self.seed, "an integer >= 0, or None for a random seed")
+        stops = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
+        if not all(isinstance(s, str) and s for s in stops):
+            raise InvalidParameterError("stop", self.stop, "a non-empty string or a list of non-empty strings")
+        object.__setattr__(self, "stop", stops)
+        if self.logprobs is not None and (isinstance(self.logprobs, bool) or not isinstance(self.logprobs, int)
+                                          or not 0 <= self.logprobs <= 20):
+            raise InvalidParameterError("logprobs", self.logprobs, "None, or 0..20 alternatives per token")
+        if self.n_draft is not None:
+            check_n_draft(self.n_draft)
+        if self.tree is not None:
+            check_tree(self.tree)
+
+    def as_kwargs(self) -> dict:
+        """The options as generate()'s keywords."""
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+    @classmethod
+    def of(cls, options: dict) -> "GenerateOptions":
+        """From keyword arguments; a TypeError naming an unknown one and the known ones."""
+        unknown = sorted(set(options) - NAMES)
+        if unknown:
+            raise TypeError(f"unknown generation option {unknown[0]!r}; known: {', '.join(sorted(NAMES))}")
+        return cls(**options)
+
+
+NAMES = {f.name for f in fields(GenerateOptions)}
+
+
+def check_n_draft(n_draft: Any) -> Union[int, str]:
+    if n_draft == "auto":
+        return "auto"
+    if isinstance(n_draft, bool) or not isinstance(n_draft, int) or not 0 <= n_draft <= MAX_N_DRAFT:
+        raise InvalidParameterError("n_draft", n_draft, f'"auto" or an integer in 0..{MAX_N_DRAFT} (0 = no drafting)')
+    return n_draft
+
+
+def check_tree(tree: Any) -> Union[int, str]:
+    """"auto", or the candidates per position (1: chains); True/False mean "auto"/1."""
+    if tree is True or tree == "auto":
+        return "auto"
+    if tree is False:
+        return 1
+    if isinstance(tree, bool) or not isinstance(tree, int) or not 1 <= tree <= TREE_BRANCHES:
+        raise InvalidParameterError("tree", tree, f'"auto" (default), 1 for chains only, or the candidates '
+                                    f"to verify per position, 2..{TREE_BRANCHES}")
+    return tree

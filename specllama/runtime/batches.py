@@ -1,0 +1,65 @@
+"""How tokens go into llama.cpp batches: prefill chunks, and a tree as one multi-sequence batch.
+
+Pure functions (no llama.cpp), tested directly."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..tree import Tree
+
+KV_PAD = 256  # llama.cpp pads the KV length it attends over to a multiple of 256 (get_n_kv)
+
+
+def kv_length(n_cells: int, n_ctx: int) -> int:
+    """The padded KV length llama.cpp attends over when n_cells cells are in use."""
+    return min(n_ctx, max(KV_PAD, -(-n_cells // KV_PAD) * KV_PAD))
+
+
+def chunk_bounds(n_past: int, n_tokens: int, n_batch: int, aligned: bool) -> list[tuple[int, int]]:
+    """(start, end) of each chunk of n_tokens tokens appended at position n_past, as offsets into
+    them; aligned chunks end at multiples of n_batch counted from position 0."""
+    bounds, start = [], 0
+    while start < n_tokens:
+        room = n_batch - (n_past + start) % n_batch if aligned else n_batch
+        end = min(n_tokens, start + room)
+        bounds.append((start, end))
+        start = end
+    return bounds
+
+
+@dataclass(frozen=True)
+class TreeBatch:
+    """A tree of nodes 0..n-1 after a root (batch rows: the pending tokens, the root, then the
+    nodes in `order`). Each branch (root to leaf) is a sequence of its own and a node is in every
+    sequence through it, so a shared prefix is computed once and no branch sees another.
+
+    The main branch (first children, sequence 0) comes first in the batch, so its cells precede
+    every other branch's: whatever is dropped afterwards, the cells kept stay in position order,
+    as a chain's are, and later tokens fill the cells right after them (attention sums over
+    cells in cell order)."""
+
+    order: list[int]  # the nodes in batch order after the root
+    seqs: list[list[int]]  # per node, the sequences it is in
+    n_seqs: int
+
+    @classmethod
+    def of(cls, tree: Tree) -> "TreeBatch":
+        main = tree.main_branch
+        on_main = set(main)
+        order = main + [i for i in range(len(tree)) if i not in on_main]
+        leaves = [i for i in order if i not in tree.children]  # sequence k: the k-th leaf
+        seqs: list[list[int]] = [[] for _ in range(len(tree))]
+        for seq, leaf in enumerate(leaves or [-1]):
+            node = leaf
+            while node != -1:
+                seqs[node].append(seq)
+                node = tree.parents[node]
+        return cls(order, seqs, max(1, len(leaves)))
+
+    def rows(self, n_pending: int) -> list[int]:
+        """The batch row of the root (index 0) and of each node (index i + 1)."""
+        out = [n_pending] + [0] * len(self.order)
+        for index, node in enumerate(self.order):
+            out[node + 1] = n_pending + 1 + index
+        return out

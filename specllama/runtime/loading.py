@@ -1,0 +1,73 @@
+"""Loading a Runtime from a GGUF file, or borrowing a llama_cpp.Llama the caller built."""
+
+from __future__ import annotations
+
+import os
+from contextlib import ExitStack
+from pathlib import Path
+from typing import Any, Union
+
+import llama_cpp
+
+from .. import gguf_check
+from .ggml import LOG_SINK, MemoryUse, gpu_free, init_backend, resident_bytes, system_info
+from .handles import Handle, load_model, new_context
+from .measure_key import identity
+from .mtp import MtpHead, MtpUnavailable
+from .settings import ModelSettings
+
+
+def load_runtime(cls: Any, path: Union[str, os.PathLike], settings: ModelSettings, mtp: bool = False,
+                 n_branches: int = 1) -> Any:
+    """Load a GGUF file as a Runtime (cls); the header is validated in Python first.
+
+    mtp=True also loads the model's MTP (nextn) layers, in a second context that follows
+    every decode of this one (runtime.mtp_head); InvalidParameterError if it has none.
+    n_branches > 1 lets decode_tree verify trees of up to that many branches (attention
+    memory without MTP layers; others keep chains: runtime.n_branches says which).
+    """
+    path = gguf_check.validate(path)
+    init_backend()
+    LOG_SINK.verbose = settings.verbose
+    stack = ExitStack()
+    try:
+        ram0, gpu_free0 = resident_bytes(), gpu_free()
+        model = load_model(path, settings, stack, mtp)
+        n_seq = 1 if mtp else n_branches
+        ctx = new_context(model, settings, stack, n_seq=n_seq, name=path.name)
+        runtime = cls(model, ctx, path.name, stack, "", settings.rollback, n_seq=n_seq)
+        runtime.identity = identity(path, settings, runtime, mtp)
+        if mtp:
+            try:
+                runtime.mtp_head = MtpHead(runtime, settings, stack)
+            except MtpUnavailable as exc:  # the caller decodes without it, and says why
+                runtime.mtp_note = str(exc)
+        runtime.memory_use = MemoryUse(max(0, resident_bytes() - ram0), max(0, gpu_free0 - gpu_free()))
+        return runtime
+    except BaseException:
+        stack.close()
+        raise
+
+
+def borrow_runtime(cls: Any, llama: "llama_cpp.Llama") -> Any:
+    """A Runtime (cls) on an existing llama_cpp.Llama (its Metal/CUDA settings kept); the caller
+    frees it. Its KV cache is cleared; do not use the Llama object directly while the runtime works."""
+    path = Path(getattr(llama, "model_path", "model") or "model")
+    key = "|".join([str(path), repr(llama.model_params.n_gpu_layers), repr(llama.context_params.n_threads),
+                    repr(llama.context_params.flash_attn_type), repr(llama.context_params.type_k),
+                    repr(llama.context_params.n_ubatch), llama_cpp.__version__, system_info()])
+    model = Handle(llama.model, None, f"the model {path.name}", None)
+    ctx = Handle(llama.ctx, None, f"the context of {path.name}", None)
+    return cls(model, ctx, path.name, ExitStack(), key)
+
+
+def open_runtime(model: Any, settings: ModelSettings, mtp: bool = False, n_branches: int = 1) -> Any:
+    """A Runtime for a GGUF path or a borrowed llama_cpp.Llama."""
+    from ..errors import InvalidParameterError
+    from .core import Runtime
+
+    if isinstance(model, llama_cpp.Llama):
+        return Runtime.borrow(model)
+    if isinstance(model, (str, os.PathLike)):
+        return Runtime.load(model, settings, mtp=mtp, n_branches=n_branches)
+    raise InvalidParameterError("model", model, "a .gguf path or a llama_cpp.Llama")

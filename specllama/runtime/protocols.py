@@ -1,0 +1,136 @@
+"""What the loop, the proposers and the prompt cache call on a model: declared, so every
+implementation says what it provides (Runtime, RemoteRuntime, MtpHead)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, Optional, Protocol, Union
+
+import numpy as np
+
+from ..tree import Tree
+from .ggml import MemoryUse
+from .state import PrefillRow, SavedState
+
+
+class Drafter(Protocol):
+    """A draft: decodes one sequence, one or a few tokens at a time, and gives the last row.
+    follows_target: fed by the target's own decodes (MTP heads), so nothing to prefill."""
+
+    name: str
+    identity: str
+    n_ctx: int
+    memory_use: Optional[MemoryUse]
+    follows_target: bool
+
+    @property
+    def cached(self) -> list[int]: ...
+
+    def sync(self, tokens: Sequence[int]) -> None: ...
+
+    def decode(self, tokens: Sequence[int]) -> None: ...
+
+    def logits(self, row: int) -> np.ndarray: ...
+
+    def truncate(self, n_keep: int) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class Vocabulary(Protocol):
+    """A model's tokens and chat template."""
+
+    name: str
+    n_vocab: int
+
+    def tokenize(self, text: Union[str, bytes], *, add_special: bool = True,
+                 parse_special: bool = False) -> list[int]: ...
+
+    def piece(self, token: int) -> bytes: ...
+
+    def token_text(self, token: int) -> bytes: ...
+
+    def is_eog(self, token: int) -> bool: ...
+
+    @property
+    def vocab_type(self) -> int: ...
+
+    @property
+    def bos(self) -> int: ...
+
+    @property
+    def eos(self) -> int: ...
+
+    @property
+    def add_bos(self) -> bool: ...
+
+    @property
+    def add_eos(self) -> bool: ...
+
+    def chat_template(self) -> Optional[str]: ...
+
+    def apply_chat_template(self, messages: list[dict], *, add_generation_prompt: bool = True,
+                            tools: Optional[list[dict]] = None) -> str: ...
+
+    def grammar_tokenizer(self) -> Any: ...
+
+    def fim_tokens(self) -> dict[str, int]: ...
+
+
+class Model(Vocabulary, Protocol):
+    """A target (or a draft with a prompt cache of its own): one sequence whose cached tokens
+    it knows exactly, decoded in chains (and trees, where n_branches > 1), rolled back, prefilled
+    on a cached prefix, saved and restored."""
+
+    identity: str
+    n_ctx: int
+    n_batch: int
+    memory: str  # "attention", "hybrid" or "recurrent"
+    rollback: str  # memory.py's names
+    n_branches: int
+    memory_use: Optional[MemoryUse]
+    n_replayed: int
+    t_rollback: float
+    n_canonical: int
+    prefill_row: Optional[PrefillRow]
+    mtp_head: Any
+    follows_target: bool
+
+    @property
+    def cached(self) -> list[int]: ...
+
+    @property
+    def max_verify(self) -> int: ...
+
+    @property
+    def n_pending(self) -> int: ...
+
+    def decode(self, tokens: Sequence[int], *, n_logits: int = 1, aligned: bool = False) -> None: ...
+
+    def decode_tree(self, root: int, tokens: Sequence[int], tree: Tree) -> None: ...
+
+    def logits(self, row: int) -> np.ndarray: ...
+
+    def pin(self, row: np.ndarray) -> None: ...
+
+    def truncate(self, n_keep: int, path: Optional[Sequence[int]] = None) -> None: ...
+
+    def discard(self, n_keep: int) -> None: ...
+
+    def n_reachable(self, n_keep: int) -> int: ...
+
+    def revisit(self) -> None: ...
+
+    def flush_pending(self) -> None: ...
+
+    def pending_rows(self, n_max: int) -> int: ...
+
+    def sync(self, tokens: Sequence[int]) -> None: ...
+
+    def prefill(self, tokens: Sequence[int], n_reuse: int) -> int: ...
+
+    def save_state(self) -> SavedState: ...
+
+    def restore_state(self, saved: SavedState) -> None: ...
+
+    def close(self) -> None: ...
