@@ -1,0 +1,191 @@
+"""specllama run and specllama chat: generate in the terminal."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from typing import Any, Optional
+
+import click
+
+from ..options import GenerateOptions
+from .app import main, setup_logging
+from .options import ModelChoice, generation_options, model_options
+
+
+@main.command()
+@model_options
+@click.argument("prompt", required=False)
+@generation_options
+@click.option("--prompt", "-p", "prompt_option", default=None, help="The prompt (instead of PROMPT).")
+@click.option("--file", "-f", "prompt_file", type=click.Path(exists=True, dir_okay=False), default=None,
+              help="Read the prompt from this file.")
+@click.option("--raw", is_flag=True, help="Send the prompt as is, without the model's chat template.")
+@click.option("--system", default=None, help="System message for the chat template.")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON result instead of streaming text.")
+@click.option("--compare", is_flag=True,
+              help="Then decode the same prompt plainly (target alone) and show both speeds side by side.")
+def run(choice: ModelChoice, prompt: Optional[str], gen: GenerateOptions, prompt_option: Optional[str],
+        prompt_file: Optional[str], raw: bool, system: Optional[str], as_json: bool, compare: bool) -> None:
+    """Generate from MODEL (a .gguf path, repo id or alias), streaming text to stdout.
+
+    PROMPT comes from the argument, -p, -f or, if none, from stdin. Stats go to stderr.
+    """
+    setup_logging(choice.verbose)
+    prompt = _prompt(prompt, prompt_option, prompt_file)
+    with choice.open() as llm:
+        use_chat = not raw and llm.target.chat_template() is not None
+        if use_chat:
+            messages = ([{"role": "system", "content": system}] if system else []) + \
+                [{"role": "user", "content": prompt}]
+            tokens = llm.chat_tokens(messages)
+        else:
+            tokens = llm.tokenize(prompt)
+        stream = llm.stream(tokens, **gen.as_kwargs())
+        status = _StatusLine(llm) if (sys.stderr.isatty() and not as_json) else None
+        for chunk in stream:
+            if not as_json:
+                click.echo(chunk.text, nl=False)
+                sys.stdout.flush()
+            if status is not None:
+                status.update(stream, chunk)
+        result = stream.result
+        if status is not None:
+            status.clear()
+        why_not = why_not_speculating(llm, result.stats)
+        if not as_json:
+            click.echo()
+            draft_name = llm.draft.name if llm.draft else ("prompt lookup" if llm.lookup else "no draft")
+            click.echo(f"[{draft_name}] {result.stats.summary()}, finish: {result.finish_reason}", err=True)
+            if why_not:
+                click.echo(f"speculation off: {why_not}", err=True)
+        plain = None
+        if compare:
+            if not as_json:
+                click.echo("[decoding the same prompt plainly to compare ...]", err=True)
+            plain = llm.generate(tokens, **{**gen.as_kwargs(), "n_draft": 0})
+        if as_json:
+            out = {"text": result.text, "tokens": result.tokens, "finish_reason": result.finish_reason,
+                   "stats": result.stats.as_dict(),
+                   "models": {"target": llm.target.name, "draft": llm.draft.name if llm.draft else None},
+                   "speculation_off_because": why_not}
+            if plain is not None:
+                out["plain"] = {"stats": plain.stats.as_dict(), "identical": plain.tokens == result.tokens,
+                                "speedup": _speedup(result, plain)}
+            click.echo(json.dumps(out))
+        elif plain is not None:
+            _print_comparison(result, plain)
+
+
+def _prompt(prompt: Optional[str], prompt_option: Optional[str], prompt_file: Optional[str]) -> str:
+    given = [p for p in (prompt, prompt_option) if p is not None]
+    if prompt_file is not None:
+        given.append(open(prompt_file, encoding="utf-8").read())
+    if len(given) > 1:
+        raise click.UsageError("give the prompt once: as PROMPT, -p or -f")
+    if given:
+        return given[0]
+    if sys.stdin.isatty():
+        raise click.UsageError("give a PROMPT argument, -p, -f, or pipe one on stdin")
+    return sys.stdin.read()
+
+
+def _speedup(spec: Any, plain: Any) -> float:
+    rate = plain.stats.decode_tokens_per_second
+    return spec.stats.decode_tokens_per_second / rate if rate else 0.0
+
+
+def _print_comparison(spec: Any, plain: Any) -> None:
+    s, p = spec.stats, plain.stats
+    click.echo(f"speculative: {s.n_generated} tokens at {s.decode_tokens_per_second:.1f} tok/s"
+               + (f" ({s.n_accepted} of {s.n_drafted} drafts accepted, {s.n_lookup_rounds} rounds from prompt "
+                  f"lookup)" if s.n_drafted else ""), err=True)
+    click.echo(f"plain:       {p.n_generated} tokens at {p.decode_tokens_per_second:.1f} tok/s", err=True)
+    if plain.tokens == spec.tokens:
+        same = "the same output, token for token"
+    else:
+        first = next((i for i, (a, b) in enumerate(zip(spec.tokens, plain.tokens)) if a != b),
+                     min(len(spec.tokens), len(plain.tokens)))
+        counted = "a near-tie it counted" if first in s.near_tie_positions else "NOT a counted near-tie"
+        same = f"outputs differ from token {first} on, {counted} ({s.fidelity} level)"
+    click.echo(f"speedup:     {_speedup(spec, plain):.2f}x, {same}", err=True)
+
+
+def why_not_speculating(llm: Any, stats: Any) -> Optional[str]:
+    """One line on why a generation drafted nothing, or None when it drafted."""
+    if stats.n_drafted:
+        return None
+    if not llm.speculates:
+        return "no draft model (--draft auto found none, or --draft none)"
+    if stats.verify_limits and max(stats.verify_limits.values()) <= 1:
+        return (f"the {stats.fidelity} fidelity level allows no verify batch on this backend "
+                f"(--exact rounding or off allows drafting)")
+    c = stats.controller
+    if c.get("kind") == "auto" and not c.get("draft_model"):
+        v = c.get("v_ms", {})
+        return (f"no draft length beats plain decoding on this machine: the target takes {v.get(1)} ms for one "
+                f"token and {v.get(2)} ms to verify two, the draft {c.get('draft_token_ms')} ms a token"
+                + ("; prompt lookup found nothing to copy" if c.get("lookup") else ""))
+    return "no round was predicted to gain from drafting (acceptance too low for this text)"
+
+
+class _StatusLine:
+    """A live line on stderr: tokens, speed, acceptance, draft in use."""
+
+    def __init__(self, llm: Any):
+        self.draft = llm.draft.name if llm.draft else "no draft"
+        self.t_start = time.perf_counter()
+        self.n_tokens = 0
+        self.n_from_draft = 0
+        self.t_last = 0.0
+
+    def update(self, stream: Any, chunk: Any) -> None:
+        self.n_tokens += len(chunk.tokens)
+        self.n_from_draft += sum(chunk.from_draft)
+        now = time.perf_counter()
+        if now - self.t_last < 0.25:
+            return
+        self.t_last = now
+        rate = self.n_tokens / max(now - self.t_start, 1e-9)
+        share = self.n_from_draft / self.n_tokens if self.n_tokens else 0.0
+        stats = stream.stats
+        n_ties = len(stats.near_tie_positions) if stats is not None else 0
+        ties = f", {n_ties} near-ties" if n_ties else ""
+        if stats is not None and stats.n_prompt_cached:
+            ties += f", prompt {stats.n_prompt_cached / stats.n_prompt:.0%} cached"
+        sys.stderr.write(f"\0337\r\n\033[2K  {self.n_tokens} tok, {rate:.1f} tok/s, {share:.0%} drafted "
+                         f"({self.draft}){ties}\0338")
+        sys.stderr.flush()
+
+    def clear(self) -> None:
+        sys.stderr.write("\0337\r\n\033[2K\0338")
+        sys.stderr.flush()
+
+
+@main.command("chat")
+@model_options
+@click.option("--system", default=None, help="System message that starts the conversation.")
+@generation_options
+@click.option("--stats", "show_stats", is_flag=True, help="Print each answer's figures after it (stderr).")
+def chat_cmd(choice: ModelChoice, system: Optional[str], gen: GenerateOptions, show_stats: bool) -> None:
+    """Chat with MODEL in the terminal; the history and its prompt cache are kept between turns."""
+    from ..chat import chat_loop
+
+    setup_logging(choice.verbose)
+    try:
+        import readline  # noqa: F401  (line editing and history for input())
+    except ImportError:
+        pass
+    options = {k: v for k, v in gen.as_kwargs().items() if k != "max_tokens" or _given("max_tokens")}
+    with choice.open() as llm:
+        if llm.target.chat_template() is None:
+            raise click.ClickException(f"{llm.target.name} has no chat template in its GGUF; "
+                                       "use `specllama run --raw` with a plain prompt")
+        chat_loop(llm, options, system=system, show_stats=show_stats)
+
+
+def _given(name: str) -> bool:
+    """Whether the command line set this option (rather than its default)."""
+    source = click.get_current_context().get_parameter_source(name)
+    return source is not None and source.name not in ("DEFAULT", "DEFAULT_MAP")
