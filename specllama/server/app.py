@@ -74,13 +74,15 @@ class Server:
         """A non-streamed job's result, cancelled if its client leaves (ClientGone)."""
         if job is None:
             raise ClientGone()
+        disconnect = job.disconnect
+        assert disconnect is not None  # set by run() for a non-streamed job
         try:
-            return await job.result(job.disconnect)
+            return await job.result(disconnect)
         except ClientGone:
             self.metrics.cancelled.labels(self.metrics.endpoint(request.url.path)).inc()
             raise
         finally:
-            job.disconnect.close()
+            disconnect.close()
 
     def stream_ended(self, request: Request, job: Job) -> None:
         """A stream's response ended: a generation still running lost its client."""
@@ -126,6 +128,20 @@ def create_app(load: Callable[[], Any], model_id: str, api_key: Optional[str] = 
     server = Server(model_id, strict_model, metrics)
     app.state.server = server
 
+    _error_handlers(app)
+    _shared_routes(app, server)
+    for translator in translators:
+        translator.add_routes(app, server)
+
+    app.add_middleware(_Guard, api_key=api_key, metrics=metrics)
+    # outermost: a browser's preflight is answered before the key is asked for (it never carries one)
+    app.add_middleware(CORSMiddleware, allow_origins=list(cors_origins), allow_methods=["GET", "POST", "OPTIONS"],
+                       allow_headers=["*"], expose_headers=["*"], allow_credentials=False, max_age=600)
+    return app
+
+
+def _error_handlers(app: FastAPI) -> None:
+    """Every error as JSON in the shape of the API the path belongs to."""
     @app.exception_handler(ApiError)
     async def api_error(request: Request, e: ApiError) -> JSONResponse:
         return e.response(api_of(request.url.path))
@@ -153,6 +169,10 @@ def create_app(load: Callable[[], Any], model_id: str, api_key: Optional[str] = 
     async def internal_error(request: Request, e: Exception) -> JSONResponse:
         return from_library(e).response(api_of(request.url.path))  # logs the traceback
 
+
+def _shared_routes(app: FastAPI, server: Server) -> None:
+    """/health, /, /metrics and /v1/models."""
+    metrics = server.metrics
     @app.get("/health")
     async def health() -> JSONResponse:
         if server.llm is None:
@@ -161,7 +181,7 @@ def create_app(load: Callable[[], Any], model_id: str, api_key: Optional[str] = 
 
     @app.api_route("/", methods=["GET", "HEAD"])
     async def root() -> JSONResponse:
-        return JSONResponse({"status": "ok" if server.llm is not None else "loading", "model": model_id})
+        return JSONResponse({"status": "ok" if server.llm is not None else "loading", "model": server.model_id})
 
     @app.get("/metrics")
     async def prometheus() -> PlainTextResponse:
@@ -169,20 +189,12 @@ def create_app(load: Callable[[], Any], model_id: str, api_key: Optional[str] = 
 
     @app.get("/v1/models")
     async def models() -> dict:
-        entry = {"id": model_id, "object": "model", "created": server.created, "owned_by": "specllama"}
+        entry = {"id": server.model_id, "object": "model", "created": server.created, "owned_by": "specllama"}
         if server.llm is not None:
             entry["meta"] = {"n_ctx": server.llm.target.n_ctx, "n_vocab": server.llm.target.n_vocab}
         # "models" as well: what Codex and llama-server's own clients read
-        return {"object": "list", "data": [entry], "models": [{"name": model_id, "model": model_id, **entry}]}
-
-    for translator in translators:
-        translator.add_routes(app, server)
-
-    app.add_middleware(_Guard, api_key=api_key, metrics=metrics)
-    # outermost: a browser's preflight is answered before the key is asked for (it never carries one)
-    app.add_middleware(CORSMiddleware, allow_origins=list(cors_origins), allow_methods=["GET", "POST", "OPTIONS"],
-                       allow_headers=["*"], expose_headers=["*"], allow_credentials=False, max_age=600)
-    return app
+        return {"object": "list", "data": [entry],
+                "models": [{"name": server.model_id, "model": server.model_id, **entry}]}
 
 
 def gone() -> Response:
@@ -222,6 +234,7 @@ class _Guard:
 
     def _authorized(self, scope: dict) -> bool:
         headers = dict(scope["headers"])
+        assert self.keys is not None
         bearer, key = self.keys
         return secrets.compare_digest(headers.get(b"authorization", b""), bearer) or \
             secrets.compare_digest(headers.get(b"x-api-key", b""), key)

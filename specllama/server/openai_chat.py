@@ -224,7 +224,7 @@ class Plan:
         delta = chunk["choices"][0].get("delta")
         if delta is not None and "role" in delta and "content" not in delta:
             delta["content"] = ""  # OpenAI's first delta: clients read delta["content"] raw
-        if chunk["choices"][0]["finish_reason"] is not None:
+        if chunk["choices"][0]["finish_reason"] is not None and completion.stats is not None:
             chunk["timings"] = timings(completion.stats)  # on each choice's last chunk, as llama-server
 
     def envelope(self, chunk: bool = False) -> dict:
@@ -245,7 +245,7 @@ class Plan:
 
     def timings(self) -> Optional[dict]:
         stats = self.done[0][1].stats if self.done else None
-        return timings(stats) if stats is not None else None
+        return None if stats is None else timings(stats)
 
 
 def _with_index(chunk: dict, index: int, chat: bool) -> dict:
