@@ -1,22 +1,28 @@
-"""Measurements of the target on this machine, cached so each runs once per model and settings.
+"""Probes of the target on this machine, and their records in the cache (records.py).
 
 batch_diffs: how far logits of rows verified in a batch of b tokens stray from decoding the
 same rows one at a time, at the KV length the generation has reached (fidelity.py turns this
-into each round's verify-size limit). costs: the decode times the draft controller weighs.
+into each round's verify-size limit). reuse_diffs: how far rows on a reused prompt cache stray
+from a fresh prefill's. costs: the decode times the draft controller weighs, with repeated
+timings as evidence. Every probe takes stop(): idle work ends early (Preempted, the cache put
+back as it was) when a generation wants the models. Deciding when to measure is planner.py's.
 """
 
 from __future__ import annotations
 
 import logging
 import math
+import statistics
 import time
+from collections.abc import Callable
 from typing import Optional, Union
 
 import numpy as np
 
-from . import paths
+from . import records
 from .controller import Costs
 from .fidelity import BatchDiffs, kv_group
+from .idle import Preempted
 from .limits import MAX_VERIFY
 from .runtime.batches import KV_PAD, kv_length
 from .runtime.protocols import Drafter, Model
@@ -27,14 +33,16 @@ log = logging.getLogger("specllama")
 PROBE_TEXT = ("The lighthouse on the northern cape was built in 1843. def area(r): return 3.14159 * r * r\n"
               '{"name": "Maria", "age": 34, "city": "Lisbon"} and then the keepers wrote in their logs')
 N_CONTEXT = 8  # tokens in the cache before the probed rows when nothing else is there
+Stop = Callable[[], bool]
 
 
-def _load(key: str) -> dict | None:
-    return paths.read_cached("calibration.json", key)
+def never() -> bool:
+    return False
 
 
-def store(key: str, value: dict) -> None:
-    paths.write_cached("calibration.json", key, value)
+def _step(stop: Stop) -> None:
+    if stop():
+        raise Preempted()
 
 
 def _max_abs_diff(a: np.ndarray, b: np.ndarray) -> float:
@@ -42,7 +50,44 @@ def _max_abs_diff(a: np.ndarray, b: np.ndarray) -> float:
     return d if np.isfinite(d) else float("inf")
 
 
-def probe_batch_diffs(target: Model, n_past: int, bound: float, max_batch: int = MAX_VERIFY) -> BatchDiffs:
+# --- keys: one per measurement, whoever measures ------------------------------------------------
+
+def fidelity_key(target: Model, group: int) -> str:
+    return f"batch_diffs|{target.identity}|{group}"
+
+
+def reuse_key(target: Model, group: int) -> str:
+    return f"reuse_diffs|{target.identity}|{group}"
+
+
+def costs_key(target: Model, draft: Optional[Drafter], max_verify: int = MAX_VERIFY) -> str:
+    """The one key of a target and draft pair's costs: whoever measures them (load(), calibrate,
+    doctor, bench) reads and writes the same entry."""
+    return f"costs|{target.identity}|{draft.identity if draft is not None else '-'}|{max_verify}"
+
+
+def fidelity_group(n_past: int, n_ctx: int) -> int:
+    """The KV group rows verified after n_past cached tokens attend over (0: the short context)."""
+    return kv_group(kv_length(max(n_past, N_CONTEXT) + 1, n_ctx))
+
+
+def cached_batch_diffs(target: Model, group: int) -> Optional[BatchDiffs]:
+    record = records.read(fidelity_key(target, group))
+    if record is None:
+        return None
+    return BatchDiffs(record["n_kv"], tuple(record["diffs"]), record["complete"], record["seconds"],
+                      tuple(record["verify_seconds"]))
+
+
+def cached_reuse_diffs(target: Model, group: int) -> Optional[float]:
+    record = records.read(reuse_key(target, group))
+    return None if record is None else float(record["diff"])
+
+
+# --- fidelity ----------------------------------------------------------------------------------
+
+def probe_batch_diffs(target: Model, n_past: int, bound: float, max_batch: int = MAX_VERIFY,
+                      stop: Stop = never) -> BatchDiffs:
     """Teacher-forced probe at the KV length of n_past cached tokens.
 
     Decodes max_batch probe tokens one at a time, then the same tokens again as one batch of
@@ -65,6 +110,7 @@ def probe_batch_diffs(target: Model, n_past: int, bound: float, max_batch: int =
     diffs: list[float] = []
     try:
         for d, token in enumerate(tokens):
+            _step(stop)
             if trees and d > 0:  # a sibling of tokens[d], alone after tokens[:d]
                 target.decode([leaves[d]])
                 leaf_single.append(target.logits(0).copy())
@@ -75,6 +121,7 @@ def probe_batch_diffs(target: Model, n_past: int, bound: float, max_batch: int =
             single.append(target.logits(0).copy())
         verify_seconds = [float(np.median(times))]
         for b in range(2, max_batch + 1):
+            _step(stop)
             target.truncate(n_past)
             t0 = time.perf_counter()
             target.decode(tokens[:b], n_logits=b)
@@ -104,38 +151,60 @@ def _tree_diff(target: Model, n_past: int, tokens: list[int], leaves: list[int],
     return max(chain, *(_max_abs_diff(target.logits(c + j), leaf_single[j]) for j in range(b - c)))
 
 
-def batch_diffs(target: Model, n_past: int, bound: float) -> BatchDiffs:
-    """probe_batch_diffs for the KV group of n_past, cached per model file, settings and
-    llama.cpp build. n_past = 0 probes after a few tokens of its own (the short context)."""
-    key = f"batch_diffs|{target.identity}|{kv_group(kv_length(max(n_past, N_CONTEXT) + 1, target.n_ctx))}"
-    cached = _load(key)
-    if cached is not None:
-        diffs = BatchDiffs(cached["n_kv"], tuple(cached["diffs"]), cached["complete"], cached["seconds"],
-                           tuple(cached["verify_seconds"]))
-        if diffs.covers(bound):
-            return diffs
+def measure_batch_diffs(target: Model, n_past: int, bound: float, stop: Stop = never,
+                        how: str = "probe") -> BatchDiffs:
+    """probe_batch_diffs for the KV group of n_past, stored under fidelity_key. n_past = 0
+    probes after a few tokens of its own (the short context; the cache is cleared)."""
+    group = fidelity_group(n_past, target.n_ctx)
     if n_past == 0:
         target.truncate(0)
         target.decode(target.tokenize(PROBE_TEXT, add_special=False)[:N_CONTEXT])
-        n_past = N_CONTEXT
         try:
-            diffs = probe_batch_diffs(target, n_past, bound)
+            diffs = probe_batch_diffs(target, N_CONTEXT, bound, stop=stop)
         finally:
             target.truncate(0)
     else:
-        diffs = probe_batch_diffs(target, n_past, bound)
+        diffs = probe_batch_diffs(target, n_past, bound, stop=stop)
     log.info("%s at KV length %d: verify batches differ from single-token rows by %s (measured in %.1f s)",
              target.name, diffs.n_kv, ", ".join(f"{b}: {d:.3g}" for b, d in enumerate(diffs.diffs, 2)),
              diffs.seconds)
-    store(key, diffs.as_dict())
+    records.write(fidelity_key(target, group), diffs.as_dict(), how)
     return diffs
 
+
+def calibrate_fidelity(target: Model, n_groups: int = 4, bound: float = float("inf"),
+                       fresh: bool = False) -> list[BatchDiffs]:
+    """Fidelity at the start of KV groups 0..n_groups-1 (KV lengths 256, 512, 768, 1280, ...),
+    the cache filled with probe text to get there; the cached records where they cover bound,
+    unless fresh. Clears the target's cache."""
+    filler = target.tokenize(PROBE_TEXT, add_special=False)
+    out = []
+    try:
+        for group in range(n_groups):
+            n_past = 0 if group == 0 else KV_PAD << (group - 1)  # rows attend over KV length 512, 768, ...
+            if group and n_past + MAX_VERIFY > target.n_ctx:
+                break
+            have = None if fresh else cached_batch_diffs(target, group)
+            if have is not None and have.covers(bound):
+                out.append(have)
+                continue
+            if group:
+                text = filler * (n_past // len(filler) + 1)
+                target.sync(text[:n_past + 1])  # extends what the previous group left in the cache
+                target.truncate(n_past)
+            out.append(measure_batch_diffs(target, n_past, bound, how="specllama calibrate"))
+    finally:
+        target.truncate(0)
+    return out
+
+
+# --- reuse -------------------------------------------------------------------------------------
 
 REUSE_SEGMENT = 8  # probe tokens that stand for an earlier answer, decoded one by one on a reused cache
 REUSE_ROWS = 4  # probe tokens that stand for the new turn, prefilled on top of them
 
 
-def probe_reuse_diffs(target: Model, n_past: int) -> float:
+def probe_reuse_diffs(target: Model, n_past: int, stop: Stop = never) -> float:
     """How far rows computed on a reused cache stray from rows on a fresh prefill, at the KV
     length of n_past cached tokens.
 
@@ -158,11 +227,13 @@ def probe_reuse_diffs(target: Model, n_past: int) -> float:
         fresh.append(target.logits(0).copy())
         target.truncate(n_past)  # reused: the answer token by token, the new turn as a batch
         for token in answer:
+            _step(stop)
             target.decode([token])
         target.decode(turn, n_logits=len(turn))
         reused = [target.logits(i).copy() for i in range(len(turn))]
         target.decode(generated)
         reused.append(target.logits(0).copy())
+        _step(stop)
         target.truncate(n_past)  # cut short: all but the last prompt token as a batch, then that one alone
         target.decode(answer + turn[:-1])
         target.decode(turn[-1:])
@@ -173,98 +244,93 @@ def probe_reuse_diffs(target: Model, n_past: int) -> float:
                _max_abs_diff(last_alone, fresh[len(turn) - 1]))
 
 
-def reuse_diffs(target: Model, n_past: int) -> float:
-    """probe_reuse_diffs for the KV group of n_past, cached per model file, settings and build."""
-    key = f"reuse_diffs|{target.identity}|{kv_group(kv_length(n_past + 1, target.n_ctx))}"
-    cached = _load(key)
-    if cached is not None:
-        return float(cached["diff"])
+def measure_reuse_diffs(target: Model, n_past: int, stop: Stop = never) -> float:
+    """probe_reuse_diffs for the KV group of n_past, stored under reuse_key (NaN: no room)."""
     t0 = time.perf_counter()
-    diff = probe_reuse_diffs(target, n_past)
+    diff = probe_reuse_diffs(target, n_past, stop)
     seconds = time.perf_counter() - t0
-    if math.isnan(diff):
-        return diff
-    log.info("%s at KV length %d: rows on a reused prompt cache differ from a fresh prefill's by %.3g "
-             "(measured in %.1f s)", target.name, kv_length(n_past + 1, target.n_ctx), diff, seconds)
-    store(key, {"diff": diff, "seconds": seconds})
+    if not math.isnan(diff):
+        log.info("%s at KV length %d: rows on a reused prompt cache differ from a fresh prefill's by %.3g "
+                 "(measured in %.1f s)", target.name, kv_length(n_past + 1, target.n_ctx), diff, seconds)
+        records.write(reuse_key(target, kv_group(kv_length(n_past + 1, target.n_ctx))),
+                      {"diff": diff, "seconds": seconds}, "probe")
     return diff
 
 
-def calibrate_fidelity(target: Model, n_groups: int = 4, bound: float = float("inf")) -> list[BatchDiffs]:
-    """batch_diffs at the start of KV groups 0..n_groups-1 (KV lengths 256, 512, 768, 1280, ...),
-    the cache filled with probe text to get there. Measures every size unless bound is given.
-    Clears the target's cache."""
-    filler = target.tokenize(PROBE_TEXT, add_special=False)
-    out = [batch_diffs(target, 0, bound)]
-    try:
-        for group in range(1, n_groups):
-            n_past = KV_PAD << (group - 1)  # rows from here on attend over KV length 512, 768, 1280, ...
-            if n_past + MAX_VERIFY > target.n_ctx:
-                break
-            text = filler * (n_past // len(filler) + 1)
-            target.sync(text[:n_past + 1])  # extends what the previous group left in the cache
-            target.truncate(n_past)
-            out.append(batch_diffs(target, n_past, bound))
-    finally:
-        target.truncate(0)
-    return out
-
+# --- costs ---------------------------------------------------------------------------------------
 
 VERIFY_SIZES = (1, 2, 3, 4, 5, 6, 8, 12, 16)
 
 
-def _time_decode(runtime: Union[Model, Drafter], n_context: int, tokens: list[int], n: int, repeats: int) -> float:
-    """The fastest of repeats decodes of n tokens (all rows kept) on n_context cached ones."""
-    best = float("inf")
+def _time_decode(runtime: Union[Model, Drafter], n_context: int, tokens: list[int], n: int, repeats: int,
+                 stop: Stop = never) -> list[float]:
+    """Each of repeats decodes of n tokens (all rows kept) on n_context cached ones, in seconds."""
+    out = []
     for _ in range(repeats):
+        _step(stop)
         runtime.truncate(n_context)
         t0 = time.perf_counter()
         if n == 1:
             runtime.decode(tokens[:1])
         else:
             runtime.decode(tokens[:n], n_logits=n)  # type: ignore[call-arg]  # the target's
-        best = min(best, time.perf_counter() - t0)
-    return best
+        out.append(time.perf_counter() - t0)
+    return out
 
 
-def measure_costs(target: Model, draft: Optional[Drafter], max_verify: int = 16, repeats: int = 2) -> Costs:
-    """Time the target's decode of n = 1..max_verify tokens and the draft's single-token decode.
-
-    Uses the fastest of `repeats` runs (the least disturbed by other work). Clears both caches.
-    """
+def measure_costs(target: Model, draft: Optional[Drafter], max_verify: int = MAX_VERIFY, repeats: int = 2,
+                  stop: Stop = never) -> tuple[Costs, dict]:
+    """Time the target's decode of n = 1..max_verify tokens and the draft's single-token decode:
+    (the costs, the evidence: one-token decodes and draft steps repeated at the start, middle
+    and end, so a busy moment shows as disagreement). Each size takes the fastest of repeats
+    runs (the least disturbed). Clears both caches."""
     tokens = target.tokenize(PROBE_TEXT, add_special=False)
     while len(tokens) < 64 + max_verify:
         tokens = tokens + tokens
     context, probe = tokens[:64], tokens[64:64 + max_verify]
-    target.truncate(0)
-    target.decode(context)
-    _time_decode(target, 64, probe, 1, 1)  # warm-up
-    sizes = [n for n in VERIFY_SIZES if n <= max_verify]
-    measured = {n: _time_decode(target, 64, probe, n, repeats) for n in sizes}
-    verify = tuple(float(np.interp(n, sizes, [measured[s] for s in sizes])) for n in range(1, max_verify + 1))
-    target.truncate(0)
-    draft_token = 0.0
+    try:
+        target.truncate(0)
+        target.decode(context)
+        _time_decode(target, 64, probe, 1, 1, stop)  # warm-up
+        v1_repeats = _time_decode(target, 64, probe, 1, 3, stop)
+        sizes = [n for n in VERIFY_SIZES if n <= max_verify]
+        measured = {}
+        for i, n in enumerate(sizes):
+            measured[n] = min(_time_decode(target, 64, probe, n, repeats, stop))
+            if i == len(sizes) // 2:
+                v1_repeats += _time_decode(target, 64, probe, 1, 1, stop)
+        v1_repeats += _time_decode(target, 64, probe, 1, 1, stop)
+        verify = tuple(float(np.interp(n, sizes, [measured[s] for s in sizes])) for n in range(1, max_verify + 1))
+    finally:
+        target.truncate(0)
+    draft_repeats: list[float] = []
     if draft is not None:
-        draft.truncate(0)
-        draft.decode(context)
-        _time_decode(draft, 64, probe, 1, 1)
-        draft_token = _time_decode(draft, 64, probe, 1, max(3, repeats))
-        draft.truncate(0)
-    return Costs(verify, draft_token)
+        try:
+            draft.truncate(0)
+            draft.decode(context)
+            _time_decode(draft, 64, probe, 1, 1, stop)
+            draft_repeats = _time_decode(draft, 64, probe, 1, max(3, repeats), stop)
+        finally:
+            draft.truncate(0)
+    costs = Costs(verify, min(draft_repeats) if draft_repeats else 0.0)
+    return costs, {"v1_repeats": v1_repeats, "draft_repeats": draft_repeats}
 
 
-def costs_key(target: Model, draft: Optional[Drafter], max_verify: int = MAX_VERIFY) -> str:
-    """The one key of a target and draft pair's costs: whoever measures them (load(), calibrate,
-    doctor, bench) reads and writes the same entry."""
-    return f"costs|{target.identity}|{draft.identity if draft is not None else '-'}|{max_verify}"
-
-
-def costs(target: Model, draft: Optional[Drafter], max_verify: int = MAX_VERIFY) -> Costs:
-    """measure_costs, cached under costs_key."""
-    key = costs_key(target, draft, max_verify)
-    cached = _load(key)
-    if cached is not None:
-        return Costs(tuple(cached["verify"]), cached["draft_token"])
-    result = measure_costs(target, draft, max_verify)
-    store(key, {"verify": list(result.verify), "draft_token": result.draft_token})
-    return result
+def quick_costs(target: Model, draft: Optional[Drafter]) -> tuple[float, Optional[float]]:
+    """A few live decodes to check a cached curve against: (one target token, one draft step),
+    each the median of three. Clears both caches."""
+    context = target.tokenize(PROBE_TEXT, add_special=False)[:N_CONTEXT + 4]
+    out: list[Optional[float]] = []
+    for model in (target, draft):
+        if model is None:
+            out.append(None)
+            continue
+        try:
+            model.truncate(0)
+            model.decode(context[:N_CONTEXT])
+            _time_decode(model, N_CONTEXT, context[N_CONTEXT:], 1, 1)
+            out.append(statistics.median(_time_decode(model, N_CONTEXT, context[N_CONTEXT:], 1, 3)))
+        finally:
+            model.truncate(0)
+    assert out[0] is not None
+    return out[0], out[1]

@@ -11,14 +11,14 @@ import platform
 import shutil
 import subprocess
 import sys
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 from . import runtime
-from .runtime.protocols import Drafter
 
 if TYPE_CHECKING:
     from .runtime.core import Runtime
-from .calibrate import calibrate_fidelity, costs as measured_costs
+from . import records
+from .calibrate import calibrate_fidelity, fidelity_key
 from .controller import OnlineCosts, draft_can_pay
 from .fidelity import LEVELS, group_label, kv_group
 from .limits import MAX_VERIFY
@@ -68,20 +68,27 @@ def system_report() -> dict:
             "rpc": runtime.supports_rpc(), "hardware_gpus": gpus, "warnings": warnings}
 
 
-def model_report(target: "Runtime", draft: Optional[Drafter], n_groups: int = 3) -> dict:
-    """Fidelity per KV length, decode costs and the verdict on the draft (cached measurements;
-    the first call measures, which prefills up to about 600 tokens)."""
-    fidelity = calibrate_fidelity(target, n_groups)
-    costs = measured_costs(target, draft, MAX_VERIFY)
+def model_report(llm: Any, n_groups: int = 3) -> dict:
+    """Fidelity per KV length, decode costs and the verdict on the draft of a loaded SpecLlama,
+    each with when and how it was measured (cached measurements; the first call measures,
+    which prefills up to about 600 tokens)."""
+    target, draft = llm.target, llm.draft
+    with llm.exclusive():
+        fidelity = calibrate_fidelity(target, n_groups)
+        costs = llm.planner.costs(measure=True)
+        memory = memory_report(target)
+    assert costs is not None  # measured just now
     rows = [{"kv": group_label(kv_group(f.n_kv)), "n_kv": f.n_kv, "max_diff": max(f.diffs, default=0.0),
+             "measured": records.describe(records.read(fidelity_key(target, kv_group(f.n_kv)))),
              **{f"max_verify_{name}": f.largest_batch(LEVELS[name].bound) for name in ("bitwise", "rounding")}}
             for f in fidelity]
     k_max = min(fidelity[0].largest_batch(LEVELS["rounding"].bound), MAX_VERIFY) - 1
     return {"target": target.name, "draft": draft.name if draft is not None else None,
-            "memory": memory_report(target), "fidelity": rows,
+            "memory": memory, "fidelity": rows,
             "rounding_bound": LEVELS["rounding"].bound,
             "costs_ms": {"v": {n: round(costs.v(n) * 1000, 1) for n in (1, 2, 3, 4, 8, 16)},
                          "draft_token": round(costs.draft_token * 1000, 1)},
+            "costs_measured": records.describe(llm.planner.costs_record),
             "verdict": verdict(costs, k_max, draft is not None)}
 
 
@@ -153,9 +160,10 @@ def print_report(report: dict) -> list[str]:
         lines += [f"  {line}" for line in describe_memory(m["memory"])]
         lines.append(f"  largest verify batch (bitwise / rounding, bound {m['rounding_bound']:g} logits):")
         lines += [f"    {row['kv']:>14}: {row['max_verify_bitwise']:2} / {row['max_verify_rounding']:2}"
-                  f"   (largest difference {row['max_diff']:.3g})" for row in m["fidelity"]]
+                  f"   (largest difference {row['max_diff']:.3g}; {row['measured']})" for row in m["fidelity"]]
         v = m["costs_ms"]["v"]
         lines.append("  decode ms by batch size: " + ", ".join(f"{n}: {t}" for n, t in v.items())
-                     + (f"; draft {m['costs_ms']['draft_token']} a token" if m["draft"] else ""))
+                     + (f"; draft {m['costs_ms']['draft_token']} a token" if m["draft"] else "")
+                     + f" ({m['costs_measured']})")
         lines.append(f"  verdict: {m['verdict']}")
     return lines

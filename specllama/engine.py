@@ -5,7 +5,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Generator, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from typing import Any, Optional, Union, cast
 
 import numpy as np
@@ -16,6 +16,7 @@ from .controller import Costs
 from .decode import Decoding, generate_steps
 from .errors import BusyError, ClosedError, EmptyPromptError, InvalidParameterError, PromptTooLongError
 from .fidelity import Limits, parse_level
+from .idle import IdleWork
 from .llama_api import LlamaApi
 from .messages import normalize as normalize_messages
 from .options import GenerateOptions, check_n_draft, check_tree
@@ -43,7 +44,8 @@ class SpecLlama(LlamaApi):
 
     def __init__(self, target: Model, draft: Optional[Drafter] = None, *, n_draft: Union[int, str] = "auto",
                  exact: Union[str, float, bool] = "rounding", lookup: Optional[bool] = None,
-                 prompt_cache_mb: float = PROMPT_CACHE_MB, tree: Union[int, str, bool] = "auto"):
+                 prompt_cache_mb: float = PROMPT_CACHE_MB, tree: Union[int, str, bool] = "auto",
+                 idle_work: bool = True):
         self.target, self.draft = target, draft
         self.n_draft = check_n_draft(n_draft)
         self.tree = self._check_tree(tree)
@@ -51,7 +53,10 @@ class SpecLlama(LlamaApi):
         if lookup is not None and not isinstance(lookup, bool):
             raise InvalidParameterError("lookup", lookup, "True, False or None (beside a draft model in auto mode)")
         self.lookup = lookup
-        self._lock = threading.Lock()
+        # whoever uses the models holds this: a generation, or a step of idle work
+        self._models = threading.Lock()
+        self._generating = False  # one generation at a time (a second gets BusyError)
+        self._state = threading.Lock()
         self._closed = False
         self._active: Optional[Stream] = None  # the stream generating now, ended by close()
         # the draft: a second model, or the target's own MTP layers (the same vocabulary)
@@ -63,20 +68,34 @@ class SpecLlama(LlamaApi):
         # a second model (not MTP layers) has a sequence of its own to cache: it is a Model
         self.draft_cache = PromptCache(cast(Model, draft), self.prompt_cache_budget) \
             if draft is not None and not self.mtp else None
-        self.planner = Planner(target, draft, lookup, self._stash)
+        # measurements a request found missing, run while no generation runs (idle.py)
+        self.idle = IdleWork(self._models, lambda: self._generating or self._closed, start=idle_work)
+        self.planner = Planner(target, draft, lookup, self._stash, self.idle, self.draft_cache)
         self.batch_diffs, self.reuse_diffs = self.planner.batch_diffs, self.planner.reuse_diffs
-        if self.speculates and self.level.limited:
-            self.planner.explain_short_limit(self.level)
+        if self.speculates:
+            with self._models:
+                self.planner.measure_short((self.level,))
+                self.planner.check_cached_costs()
 
     @property
     def speculates(self) -> bool:
         """Whether anything proposes tokens (a draft model or prompt lookup)."""
         return self.planner.speculates
 
-    def costs(self) -> Costs:
-        """Measured target verify costs and draft cost per token (cached per machine)."""
+    def costs(self) -> Optional[Costs]:
+        """The target's verify costs and the draft's cost per token in use; measured now if they
+        were not yet (cached per machine)."""
         self._check_open()
-        return self.planner.costs()
+        with self._models:
+            return self.planner.costs(measure=True)
+
+    def warm_up(self) -> list[str]:
+        """Run, now, the measurements this object would otherwise make when idle (the short
+        context's verify limit, decode costs, limits at KV lengths generations reached, the
+        draft catching up with the last conversation): what ran. Until they have run, rounds
+        where they matter decode plainly; a server or chat runs them between requests."""
+        self._check_open()
+        return self.idle.warm_up()
 
     # --- public API --------------------------------------------------------------------------
 
@@ -146,11 +165,12 @@ class SpecLlama(LlamaApi):
         another thread stops at its next token, one waiting between tokens is closed here."""
         if self._closed:
             return
-        self._closed = True  # a new generation now raises ClosedError
+        self._closed = True  # a new generation now raises ClosedError, idle work stops
+        self.idle.close()
         active = self._active
         if active is not None:
             active.close()
-        with self._lock:  # whatever still generates has ended
+        with self._models:  # whatever still generates has ended
             self.prompt_cache_budget.entries.clear()
             for runtime in (self.draft, self.target):
                 if runtime is not None:
@@ -229,19 +249,30 @@ class SpecLlama(LlamaApi):
                                 grammar=parsed)
         return constraint if constraint.active else None
 
+    def exclusive(self) -> "AbstractContextManager[None]":
+        """The models to the caller alone, for measuring them directly (calibrate, doctor): idle
+        work in progress ends at its next decode, and a generation meanwhile gets BusyError."""
+        return self._exclusive(None)
+
     @contextmanager
-    def _exclusive(self, stream: Stream) -> Iterator[None]:
+    def _exclusive(self, stream: Optional[Stream]) -> Iterator[None]:
         self._check_open()
-        if not self._lock.acquire(blocking=False):
-            raise BusyError("this SpecLlama is already generating (another thread, or a stream that "
-                            "is still open); finish or close() that stream first")
-        self._active = stream
+        with self._state:
+            if self._generating:
+                raise BusyError("this SpecLlama is already generating (another thread, or a stream that "
+                                "is still open); finish or close() that stream first")
+            self._generating = True
         try:
-            self._check_open()  # closed while it waited to start
-            yield
+            with self._models:  # a step of idle work in progress ends at its next decode
+                self._active = stream
+                try:
+                    self._check_open()  # closed while it waited to start
+                    yield
+                finally:
+                    self._active = None
         finally:
-            self._active = None
-            self._lock.release()
+            self._generating = False
+            self.idle.busy()
 
     def _run(self, req: Request, stream: Stream) -> Generator[Chunk, None, None]:
         tokens: list[int] = []
@@ -263,8 +294,11 @@ class SpecLlama(LlamaApi):
             try:
                 # the prompt cache: bitwise and seeded sampling reuse only what a fresh prefill
                 # computes bit for bit; otherwise all that matches, and the rows carry the
-                # measured difference of reuse into the near-tie tolerance
-                reuse = self.target_cache.prefill(req.prompt, canonical=req.level.bound == 0 or req.seeded)
+                # measured difference of reuse into the near-tie tolerance (bit for bit, too,
+                # until that difference is measured: an unmeasured one could hide a near-tie)
+                canonical = req.level.bound == 0 or req.seeded or (
+                    req.level.limited and not self.planner.reuse_known(len(req.prompt) - 1))
+                reuse = self.target_cache.prefill(req.prompt, canonical=canonical)
                 stats.t_prefill = time.perf_counter() - t_start
                 stats.n_prompt_cached, stats.prompt_cache, stats.prompt_cache_exact = \
                     reuse.n_reused, reuse.source, reuse.exact
@@ -283,7 +317,11 @@ class SpecLlama(LlamaApi):
                     steps.close()
                 _finish_stats(stats, req, tokens, finish, matcher.stopped, limits, policy, t_start,
                               self.target.n_replayed - n_replayed, self.target, self.draft)
-                stream.result = Result("".join(texts), tokens, finish, stats)
+                if req.n_draft == "auto" and self.speculates and self.planner.costs() is None:
+                    stats.measurements_pending.append("the decode costs")
+                stream.result = Result("".join(texts), tokens, finish, stats, matcher.matched)
+                self.planner.learned(policy)
+                self.planner.want_catch_up()
 
     def _emit(self, steps: Iterator[Any], req: Request, stream: Stream, tokens: list[int], texts: list[str],
               detokenizer: Detokenizer, matcher: StopMatcher) -> Generator[Chunk, None, str]:
@@ -315,6 +353,7 @@ def _finish_stats(stats: Stats, req: Request, tokens: list[int], finish: str, st
                   policy: Any, t_start: float, n_replayed: int, target: Model, draft: Optional[Drafter]) -> None:
     stats.n_generated = len(tokens)
     stats.verify_limits = limits.used
+    stats.measurements_pending = sorted(limits.waiting)
     if req.constraint is not None:
         stats.n_constrained_rows, stats.t_constraint = req.constraint.n_rows, req.constraint.seconds
     stats.controller = policy.as_dict()

@@ -117,48 +117,61 @@ class BatchDiffs:
 
 
 class DiffTable:
-    """One target's BatchDiffs per KV group, measured when a generation first needs them.
+    """One target's BatchDiffs per KV group: what was measured, in this process or cached on
+    disk (cached(group)). A group not measured yet is asked for through missing(n_past, bound),
+    which queues the probe for when the process is idle; until then get() says what is known
+    (None: nothing), and rounds there decode plainly."""
 
-    measure(n_past, bound) runs the probe on the target with n_past tokens cached and returns
-    BatchDiffs for that KV length (it may come from the on-disk cache).
-    """
-
-    def __init__(self, measure: Callable[[int, float], BatchDiffs], n_ctx: int):
-        self._measure = measure
+    def __init__(self, cached: Callable[[int], Optional[BatchDiffs]], missing: Callable[[int, float], None],
+                 n_ctx: int):
+        self._cached, self._missing = cached, missing
         self.n_ctx = n_ctx
         self.groups: dict[int, BatchDiffs] = {}
+        self._not_cached: set[int] = set()  # looked up once: a round does not read the disk
+
+    def known(self, group: int) -> Optional[BatchDiffs]:
+        if group not in self.groups and group not in self._not_cached:
+            found = self._cached(group)
+            if found is not None:
+                self.groups[group] = found
+            else:
+                self._not_cached.add(group)
+        return self.groups.get(group)
 
     def get(self, n_past: int, bound: float) -> Optional[BatchDiffs]:
-        """Measurements for a verify starting at n_past. Where the probe cannot run (its rows
-        would cross a KV padding step or the end of the context) it is what is known so far:
-        None, or a record that vouches only for the sizes it measured."""
+        """Measurements for a verify starting at n_past, or what is known of them."""
         n_kv = kv_length(n_past + 1, self.n_ctx)
-        group = kv_group(n_kv)
-        have = self.groups.get(group)
+        have = self.known(kv_group(n_kv))
         if have is not None and have.covers(bound):
             return have
-        if n_past + MAX_VERIFY > n_kv:
-            return have
-        self.groups[group] = self._measure(n_past, bound)
-        return self.groups[group]
+        if n_past == 0 or n_past + MAX_VERIFY <= n_kv:  # a probe can run here (rows within one padding step)
+            self._missing(n_past, bound)
+        return have
 
 
 class ReuseTable:
-    """How far rows on a reused prompt cache stray from a fresh prefill's, per KV group,
-    measured when a generation on such a cache first needs it (NaN: could not be measured)."""
+    """How far rows on a reused prompt cache stray from a fresh prefill's, per KV group: measured
+    (cached(group)), or asked for through missing(n_past) and NaN until then."""
 
-    def __init__(self, measure: Callable[[int], float], n_ctx: int):
-        self._measure = measure
+    def __init__(self, cached: Callable[[int], Optional[float]], missing: Callable[[int], None], n_ctx: int):
+        self._cached, self._missing = cached, missing
         self.n_ctx = n_ctx
         self.groups: dict[int, float] = {}
+        self._not_cached: set[int] = set()
 
     def get(self, n_past: int, measure: bool = True) -> float:
         group = kv_group(kv_length(n_past + 1, self.n_ctx))
-        if group not in self.groups:
-            if not measure:
-                return math.nan
-            self.groups[group] = self._measure(n_past)
-        return self.groups[group]
+        if group not in self.groups and group not in self._not_cached:
+            found = self._cached(group)
+            if found is not None:
+                self.groups[group] = found
+            else:
+                self._not_cached.add(group)
+        if group in self.groups:
+            return self.groups[group]
+        if measure:
+            self._missing(n_past)
+        return math.nan
 
 
 class Limits:
@@ -173,13 +186,15 @@ class Limits:
         self.table = table
         self.reuse = reuse
         self.used: dict[str, int] = {}  # KV group label -> the limit rounds met there
+        self.waiting: set[str] = set()  # measurements this generation went without (queued for idle time)
         self._drift = 0.0  # largest difference of any batch so far: later rows attend to its KV
 
     def reach(self, n_past: int) -> None:
-        """Measure, on first reach of this KV length, what tolerance() needs beside the verify
-        limits: a probe decodes on the target, so it must run before a verify batch does."""
-        if self.reuse is not None:
-            self.reuse.get(n_past)
+        """Ask, on first reach of this KV length, for what tolerance() needs beside the verify
+        limits (measured when idle; until then near-ties there cannot be judged)."""
+        if self.reuse is not None and math.isnan(self.reuse.get(n_past)):
+            group = kv_group(kv_length(n_past + 1, self.reuse.n_ctx))
+            self.waiting.add(f"the reuse difference at {group_label(group)}")
 
     def max_batch(self, n_past: int) -> int:
         """Largest verify batch for rows at positions n_past.. (1 = decode plainly)."""
@@ -187,9 +202,11 @@ class Limits:
             return UNLIMITED
         diffs = self.table.get(n_past, self.level.bound)
         n_kv = kv_length(n_past + 1, self.table.n_ctx)
-        # measured 1 while the probe could not run yet (it will at the next KV padding step)
+        # 1 (plain decoding, which risks nothing) until the probe has run, when the process is idle
         limit = 1 if diffs is None else diffs.largest_batch(self.level.bound)
         self.used[group_label(kv_group(n_kv))] = limit
+        if diffs is None:
+            self.waiting.add(f"the verify limit at {group_label(kv_group(n_kv))}")
         # a batch past the padding step would attend over a longer KV than its single-token
         # rows did, which past 512 is another kernel path
         return min(limit, n_kv - n_past)

@@ -31,7 +31,7 @@ _TARGET_ONLY = ("rpc", "tensor_split", "rollback")
 def load(target: Any, draft: Any = None, *, n_draft: Union[int, str] = "auto",
          exact: Union[str, float, bool] = "rounding",
          lookup: Optional[bool] = None, check_memory: bool = True, prompt_cache_mb: float = PROMPT_CACHE_MB,
-         tree: Union[int, str, bool] = "auto", **model_settings: Any) -> SpecLlama:
+         tree: Union[int, str, bool] = "auto", idle_work: bool = True, **model_settings: Any) -> SpecLlama:
     """Load a target model and an optional draft of the same family.
 
     Args:
@@ -54,6 +54,9 @@ def load(target: Any, draft: Any = None, *, n_draft: Union[int, str] = "auto",
         prompt_cache_mb: RAM for saved prompt-cache states (MiB, target and draft together).
         check_memory: plan the memory both models need from their GGUF headers and raise
             MemoryPlanError (with ways out) before loading when it exceeds what is available.
+        idle_work: measurements a request found missing (verify limits at a new KV length,
+            decode costs, the reuse difference) and the draft catching up with a conversation
+            run in a background thread while no generation runs; False: only in warm_up().
         exact: the fidelity level: "bitwise", "rounding" (default), "off", a bound in logits,
             or True/False for "bitwise"/"off" (see fidelity.py).
         **model_settings: ModelSettings' fields for both models (n_ctx, n_batch, n_threads,
@@ -119,7 +122,7 @@ def load(target: Any, draft: Any = None, *, n_draft: Union[int, str] = "auto",
             draft_rt = draft_host.load(draft) if draft_host else open_runtime(draft, draft_settings)
             opened.append(draft_rt)
         return SpecLlama(target_rt, draft_rt, n_draft=n_draft, exact=exact, lookup=lookup,
-                         prompt_cache_mb=prompt_cache_mb, tree=tree)
+                         prompt_cache_mb=prompt_cache_mb, tree=tree, idle_work=idle_work)
     except BaseException:
         for handle in reversed(opened):
             handle.close()

@@ -1,24 +1,40 @@
 """For each request, which proposer and policy it decodes with, from what was measured on this
-machine: verify-batch fidelity per KV length, the reuse difference, decode costs."""
+machine, and what to measure when the process is idle.
+
+No probe runs on a request's path: a request at a KV length whose verify limit is not known
+decodes plainly there, one whose prompt ends where the reuse difference is not known reuses only
+what a fresh prefill computes bit for bit (so every near-tie stays countable), one without
+decode costs decodes plainly, and each missing measurement is queued (idle.py). Costs
+check themselves: a cached curve is used only if it is plausible and a few live decodes agree
+with it (records.py); a curve the rounds keep contradicting is replaced by what they measure.
+"""
 
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Optional, Union
 
-from .calibrate import batch_diffs, costs as measured_costs, reuse_diffs
+from . import records
+from .calibrate import (cached_batch_diffs, cached_reuse_diffs, costs_key, fidelity_group, measure_batch_diffs,
+                        measure_costs, measure_reuse_diffs, quick_costs)
 from .constraints import Constraint
 from .controller import Acceptance, Controller, Costs, FixedDraft, OnlineCosts, Policy, draft_can_pay
-from .fidelity import DiffTable, Level, ReuseTable
+from .fidelity import DiffTable, Level, ReuseTable, group_label, kv_group
+from .idle import IdleWork, Preempted, Task
 from .limits import AUTO_WIDTH, MAX_DRAFT, MAX_N_DRAFT, MAX_VERIFY
 from .prompt_cache import PromptCache
 from .proposers import DraftModelProposer, PromptLookupProposer, Proposer
+from .runtime.batches import KV_PAD, kv_length
 from .runtime.protocols import Drafter, Model
+from .runtime.session import common_prefix
 from .sampling import SamplingSettings
 
 log = logging.getLogger("specllama")
+
+CATCH_UP_MIN = 64  # a draft this far behind the target's live sequence catches up while idle
 
 
 @dataclass(frozen=True)
@@ -43,52 +59,197 @@ class Request:
 
 
 class Planner:
-    """A target and draft pair's measurements, and the policy each request gets from them.
+    """A target and draft pair's measurements, the policy each request gets from them, and the
+    measurements queued for idle time. stash() keeps the conversations in RAM (saved states)
+    before a probe takes the context."""
 
-    stash() is called before a measurement decodes probe text from position 0, so the
-    conversations in the contexts are kept first."""
-
-    def __init__(self, target: Model, draft: Optional[Drafter], lookup: Optional[bool],
-                 stash: Callable[[], None]):
-        self.target, self.draft, self.lookup = target, draft, lookup
-        self._stash = stash
+    def __init__(self, target: Model, draft: Optional[Drafter], lookup: Optional[bool], stash: Callable[[], None],
+                 idle: IdleWork, draft_cache: Optional[PromptCache] = None):
+        self.target, self.draft, self.lookup, self.idle = target, draft, lookup, idle
+        self._stash, self._draft_cache = stash, draft_cache
         self._costs: Optional[Costs] = None
+        self.costs_record: Optional[dict] = None  # what the costs in use came from, with its evidence
         self._online_costs: Optional[OnlineCosts] = None
         # the draft's confidence calibration, learned across calls; greedy and sampled drafts
         # mean different things by confidence (top probability; q of a sampled token)
         self._acceptance = {True: Acceptance(), False: Acceptance()}
         self._explained: set[Level] = set()
-        # how far verify batches stray from single-token rows, per KV length, measured on demand
-        self.batch_diffs = DiffTable(lambda n_past, bound: batch_diffs(target, n_past, bound), target.n_ctx)
-        # how far rows on a reused prompt cache stray from a fresh prefill's, likewise
-        self.reuse_diffs = ReuseTable(lambda n_past: reuse_diffs(target, n_past), target.n_ctx)
+        self.batch_diffs = DiffTable(lambda group: cached_batch_diffs(target, group), self._want_fidelity,
+                                     target.n_ctx)
+        self.reuse_diffs = ReuseTable(lambda group: cached_reuse_diffs(target, group), self._want_reuse, target.n_ctx)
 
     @property
     def speculates(self) -> bool:
         """Whether anything proposes tokens (a draft model or prompt lookup)."""
         return self.draft is not None or self.lookup is True
 
-    def costs(self) -> Costs:
-        """Measured target verify costs and draft cost per token (cached per machine)."""
-        if self._costs is None:
-            self._costs = measured_costs(self.target, self.draft, MAX_VERIFY)
+    # --- decode costs ----------------------------------------------------------------------
+
+    def check_cached_costs(self) -> None:
+        """At load: take the cached curve if it is plausible and live decodes agree with it;
+        otherwise queue a measurement for idle time (and say why)."""
+        record = records.read(costs_key(self.target, self.draft))
+        problem = "not measured on this machine yet" if record is None else records.costs_problem(
+            record["verify"], record["draft_token"], record.get("v1_repeats", ()), record.get("draft_repeats", ()))
+        if record is not None and problem is None:
+            v1_now, draft_now = quick_costs(self.target, self.draft)
+            problem = records.stale(record, v1_now, draft_now if self.draft is not None else None)
+            if problem is not None:
+                log.info("%s: the cached decode costs no longer describe this machine (%s); measuring them again "
+                         "when idle", self.target.name, problem)
+        if problem is None:
+            assert record is not None
+            self._costs, self.costs_record = Costs(tuple(record["verify"]), record["draft_token"]), record
+        else:
+            self.idle.add(Task("costs", self._measure_costs, what="the decode-cost curve", takes_context=True))
+
+    def costs(self, measure: bool = False) -> Optional[Costs]:
+        """The decode costs in use (None: not measured yet); measure=True measures them now."""
+        if self._costs is None and measure:
+            self._stash()
+            self._measure_costs(lambda: False, attempts=1)
         return self._costs
 
+    def _measure_costs(self, stop: Callable[[], bool], attempts: int = 2) -> bool:
+        self._stash()
+        problem = None
+        for _ in range(attempts):
+            costs, evidence = measure_costs(self.target, self.draft, MAX_VERIFY, stop=stop)
+            problem = records.costs_problem(costs.verify, costs.draft_token, **evidence)
+            if problem is None:
+                break
+        self._costs, self._online_costs = costs, None
+        if problem is not None:  # used for now, never cached, measured again when idle
+            log.warning("%s: the machine looked busy while measuring decode costs (%s); using them for now, not "
+                        "caching them, measuring again when idle", self.target.name, problem)
+            self.costs_record = {**records.costs_value(costs.verify, costs.draft_token, **evidence),
+                                 "how": f"in use, not cached: {problem}"}
+            return False
+        self.costs_record = records.write(costs_key(self.target, self.draft),
+                                          records.costs_value(costs.verify, costs.draft_token, **evidence),
+                                          "probe while idle")
+        return True
+
+    def learned(self, policy: Policy) -> None:
+        """After a generation: where the rounds kept contradicting the curve, replace it."""
+        if not isinstance(policy, Controller):
+            return
+        corrected = policy.costs.drift()
+        if corrected is None or self._costs is None:
+            return
+        log.info("%s: rounds measured one token at %.0f ms against %.0f ms in the cached curve; the curve now "
+                 "follows the rounds", self.target.name, corrected.v(1) * 1e3, self._costs.v(1) * 1e3)
+        self.costs_record = records.write(costs_key(self.target, self.draft),
+                                          records.costs_value(corrected.verify, corrected.draft_token),
+                                          "live rounds (the probed curve was off by more than 1.5x)")
+        self._costs, self._online_costs = corrected, OnlineCosts(corrected)
+
+    # --- fidelity and reuse, measured on the live conversation when idle ------------------------
+
+    def _probe_at(self, group: int, n_rows: int) -> Optional[int]:
+        """Where a probe of n_rows rows measures KV group `group` on the live sequence's own
+        tokens: the last position the cache holds whose rows stay in one padding step of the
+        group (0 for the short context); None while the cache does not reach the group."""
+        if group == 0:
+            return 0
+        n_ctx = self.target.n_ctx
+        n = min(len(self.target.cached), n_ctx - n_rows)
+        while n > 0:
+            n_kv = kv_length(n + 1, n_ctx)
+            if kv_group(n_kv) < group:
+                return None
+            if kv_group(n_kv) == group and n + n_rows <= n_kv:
+                return n
+            n = n_kv - n_rows if n + n_rows > n_kv else n_kv - KV_PAD - n_rows
+        return None
+
+    def _want_fidelity(self, n_past: int, bound: float) -> None:
+        group = fidelity_group(n_past, self.target.n_ctx)
+
+        def run(stop: Callable[[], bool]) -> None:
+            at = self._probe_at(group, MAX_VERIFY)
+            if at is None:
+                raise Preempted()
+            self._stash()
+            self.batch_diffs.groups[group] = measure_batch_diffs(self.target, at, bound, stop, "probe while idle")
+
+        self.idle.add(Task(f"fidelity|{group}|{bound}", run, lambda: self._probe_at(group, MAX_VERIFY) is not None,
+                           what=f"the verify limit at {group_label(group)}"))
+
+    def _want_reuse(self, n_past: int) -> None:
+        group = kv_group(kv_length(n_past + 1, self.target.n_ctx))
+
+        def run(stop: Callable[[], bool]) -> None:
+            at = self._probe_at(group, 13)
+            if at is None:
+                raise Preempted()
+            self._stash()
+            self.reuse_diffs.groups[group] = measure_reuse_diffs(self.target, at, stop)
+
+        self.idle.add(Task(f"reuse|{group}", run, lambda: self._probe_at(group, 13) is not None,
+                           what=f"the reuse difference at {group_label(group)}"))
+
+    def reuse_known(self, n_past: int) -> bool:
+        """Whether the reuse difference at a prompt of n_past tokens is measured (queued if not)."""
+        return not math.isnan(self.reuse_diffs.get(n_past))
+
+    def want_catch_up(self) -> None:
+        """After a generation: the reuse difference where the conversation now ends is queued (the
+        next turn reuses it all once it is known), and a draft far behind the target's
+        conversation catches up while idle, so the next turn drafts from its first token."""
+        if self.target.cached:
+            self.reuse_diffs.get(len(self.target.cached) - 1)
+        draft, cache = self.draft, self._draft_cache
+        if draft is None or cache is None or draft.follows_target:
+            return
+        if len(self.target.cached) - common_prefix(draft.cached, self.target.cached) < CATCH_UP_MIN:
+            return
+
+        def run(stop: Callable[[], bool]) -> None:
+            tokens = list(self.target.cached)
+            n_batch = cache.runtime.n_batch
+            for end in range(common_prefix(draft.cached, tokens) // n_batch * n_batch + n_batch, len(tokens) + n_batch,
+                             n_batch):
+                if stop():
+                    raise Preempted()
+                cache.prefill(tokens[:min(end, len(tokens))], canonical=False)
+
+        self.idle.add(Task("draft catch-up", run, what="the draft catching up with the conversation"))
+
+    def measure_short(self, levels: tuple[Level, ...]) -> None:
+        """At load: the short context's verify limit for each level, measured now if no cache
+        holds it (5-8 s once per model file, settings and build). Every drafting round needs it,
+        fixed lengths too, and load is not a request's path; longer KV lengths wait for idle."""
+        if not self.speculates:
+            return
+        for level in levels:
+            if not level.limited:
+                continue
+            have = self.batch_diffs.known(0)
+            if have is not None and have.covers(level.bound):
+                continue
+            if self.target.n_ctx < 2 * MAX_VERIFY:  # no room to probe: decodes plainly
+                continue
+            self._stash()
+            self.batch_diffs.groups[0] = measure_batch_diffs(self.target, 0, level.bound, how="probe at load")
+
+    # --- each request's plan ----------------------------------------------------------------------
+
     def explain_short_limit(self, level: Level) -> int:
-        """Measure (or read) the short-context limit of level and say what it means, once."""
-        short = self.batch_diffs.get(0, level.bound)  # None: a context too small to probe
+        """The short-context limit of level (1 while not measured), explained once when known."""
+        short = self.batch_diffs.get(0, level.bound)  # None: not measured yet, or no room to probe
         n_verify = 1 if short is None else short.largest_batch(level.bound)
-        if level in self._explained:
+        if short is None or level in self._explained:
             return n_verify
         self._explained.add(level)
-        if n_verify == 1 and short is not None and short.diffs:
-            log.warning("%s: on this backend no verify batch stays within the %s level (the closest differs "
-                        "from single-token decoding by %.3g logits), so it decodes plainly; exact=\"rounding\" "
-                        "or \"off\" allows drafting", self.target.name, level, short.diffs[0])
+        if n_verify == 1 and short.diffs:
+            log.info("%s: on this backend no verify batch stays within the %s level (the closest differs from "
+                     "single-token decoding by %.3g logits), so it decodes plainly; exact=\"rounding\" or \"off\" "
+                     "allows drafting", self.target.name, level, short.diffs[0])
         elif n_verify < MAX_VERIFY:
-            log.info("%s: verify batches over %d tokens differ from single-token decoding by more than the %s "
-                     "level allows; drafting at most %d tokens a round", self.target.name, n_verify, level,
-                     n_verify - 1)
+            log.debug("%s: verify batches over %d tokens differ from single-token decoding by more than the %s "
+                      "level allows; drafting at most %d tokens a round", self.target.name, n_verify, level,
+                      n_verify - 1)
         return n_verify
 
     def plan(self, req: Request, prompt_cache: Optional[PromptCache]) -> tuple[Optional[Proposer], Policy]:
@@ -107,11 +268,6 @@ class Planner:
 
     def _policy(self, req: Request) -> Policy:
         level = req.level
-        # first-use measurements decode probe text from position 0: keep the conversations first
-        short = self.batch_diffs.groups.get(0)
-        if (level.limited and (short is None or not short.covers(level.bound))) or \
-                (req.n_draft == "auto" and self._costs is None):
-            self._stash()
         # the short-context limit; rounds at longer KV lengths get their own (Limits)
         limit = self.explain_short_limit(level) - 1 if level.limited else MAX_N_DRAFT
         has_draft = self.draft is not None
@@ -119,12 +275,14 @@ class Planner:
             assert isinstance(req.n_draft, int)
             return FixedDraft(min(req.n_draft, limit), has_draft=has_draft, lookup=self.lookup is True,
                               width=req.tree if isinstance(req.tree, int) else 1)
+        if self._costs is None:  # decode plainly until the costs are measured (queued at load)
+            return FixedDraft(0)
         acceptance: Any
-        if req.seeded:  # the same seed must give the same text: decide from the calibration alone
-            costs, acceptance = OnlineCosts(self.costs(), frozen=True), Acceptance()
+        if req.seeded:  # the same seed must give the same text: decide from the cached curve alone
+            costs, acceptance = OnlineCosts(self._costs, frozen=True), Acceptance()
         else:
             if self._online_costs is None:
-                self._online_costs = OnlineCosts(self.costs())
+                self._online_costs = OnlineCosts(self._costs)
             costs, acceptance = self._online_costs, self._acceptance[req.sampling.greedy]
         lookup = self.lookup is True or (self.lookup is None and has_draft)
         limit = min(limit, MAX_DRAFT)

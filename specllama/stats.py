@@ -33,6 +33,9 @@ class Stats:
     # batch difference (greedy only; None where nothing was measured, e.g. level "off")
     fidelity: str = ""
     verify_limits: dict[str, int] = field(default_factory=dict)
+    # measurements this generation went without (decoding plainly where they matter, or not
+    # judging near-ties); they run when the process is idle, or with SpecLlama.warm_up()
+    measurements_pending: list[str] = field(default_factory=list)
     near_ties: Optional[int] = 0
     near_tie_positions: list[int] = field(default_factory=list)
     # the prompt cache: prompt tokens whose KV was reused rather than decoded, where from
@@ -44,7 +47,6 @@ class Stats:
     prompt_cache_exact: bool = True
     t_prefill: float = 0.0  # the target's prefill of what was not cached, and the first token
     t_draft_prefill: float = 0.0  # the draft's, after the first token
-    t_calibrate: float = 0.0  # one-time batch-difference measurements at a new KV length
     t_draft: float = 0.0
     t_verify: float = 0.0
     # rolling the target back after each pass (a recurrent state restored and its accepted
@@ -103,7 +105,7 @@ class Stats:
 
     @property
     def t_decode(self) -> float:
-        return self.t_total - self.t_prefill - self.t_draft_prefill - self.t_calibrate
+        return self.t_total - self.t_prefill - self.t_draft_prefill
 
     @property
     def t_other(self) -> float:
@@ -145,8 +147,6 @@ class Stats:
                      f"over {self.n_constrained_rows} rows")
         if self.near_ties:
             line += f", {self.near_ties} near-ties"
-        if self.t_calibrate >= 0.01:
-            line += f", {self.t_calibrate:.1f}s measuring a new KV length (once)"
         if self.n_bytes_resident:
             line += f", {self.n_bytes_resident / 2**30:.2f} GiB resident"
             if self.n_bytes_draft:

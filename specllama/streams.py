@@ -29,6 +29,7 @@ class Result:
     tokens: list[int]
     finish_reason: str
     stats: Stats = field(default_factory=Stats)
+    stop_sequence: Optional[str] = None  # the stop string that ended it, if one did
 
 
 class Stream:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import codecs
 from collections.abc import Sequence
+from typing import Optional
 
 
 class StopMatcher:
@@ -17,15 +18,17 @@ class StopMatcher:
         self.stops = [s for s in stops if s]
         self._held = ""
         self.stopped = False
+        self.matched: Optional[str] = None  # the stop string found (the earliest in the text)
 
     def feed(self, text: str) -> str:
         if self.stopped:
             return ""
         buf = self._held + text
-        hits = [i for i in (buf.find(s) for s in self.stops) if i >= 0]
+        hits = [(i, s) for i, s in ((buf.find(s), s) for s in self.stops) if i >= 0]
         if hits:
+            at, self.matched = min(hits)
             self.stopped, self._held = True, ""
-            return buf[:min(hits)]
+            return buf[:at]
         n_hold = self._longest_partial(buf)
         self._held = buf[len(buf) - n_hold:]
         return buf[:len(buf) - n_hold]

@@ -115,25 +115,41 @@ def _settings(choice: ModelChoice, settings_type: type) -> tuple:
 @model_options
 @click.option("--kv-groups", type=click.IntRange(1, 8), default=4, show_default=True,
               help="KV lengths to measure fidelity at: 256, 512, 768, 1280, ... (each longer one prefills more).")
+@click.option("--fresh", is_flag=True, help="Measure again, replacing what is cached.")
 @click.option("--json", "as_json", is_flag=True)
-def calibrate_cmd(choice: ModelChoice, kv_groups: int, as_json: bool) -> None:
+def calibrate_cmd(choice: ModelChoice, kv_groups: int, fresh: bool, as_json: bool) -> None:
     """Measure (and cache) MODEL's verify-batch fidelity per KV length and this machine's decode
-    costs, loaded exactly as `run` loads it (the same cache entries)."""
-    from ..calibrate import calibrate_fidelity, costs_key, measure_costs, store
+    costs, loaded exactly as `run` loads it: what run, chat and serve then use."""
+    from .. import records
+    from ..calibrate import calibrate_fidelity, costs_key, measure_costs
     from ..fidelity import LEVELS, group_label, kv_group
     from ..limits import MAX_VERIFY
 
-    with choice.open() as llm:
-        fidelity = calibrate_fidelity(llm.target, kv_groups)
-        costs = measure_costs(llm.target, llm.draft, MAX_VERIFY)
-        store(costs_key(llm.target, llm.draft), {"verify": list(costs.verify), "draft_token": costs.draft_token})
+    with choice.open() as llm, llm.exclusive():
+        fidelity = calibrate_fidelity(llm.target, kv_groups, fresh=fresh)
+        key = costs_key(llm.target, llm.draft)
+        record = None if fresh else llm.planner.costs_record
+        for _ in range(3 if record is None else 0):  # a busy moment passes: measure again
+            costs, evidence = measure_costs(llm.target, llm.draft, MAX_VERIFY)
+            problem = records.costs_problem(costs.verify, costs.draft_token, **evidence)
+            if problem is None:
+                break
+            click.echo(f"the machine looked busy while measuring ({problem}); measuring again", err=True)
+        if record is None:
+            if problem is not None:
+                raise click.ClickException(f"the machine stayed busy while measuring ({problem}); nothing was "
+                                           "cached: run it again when nothing else runs")
+            record = records.write(key, records.costs_value(costs.verify, costs.draft_token, **evidence),
+                                   "specllama calibrate")
+        verify, draft_token = record["verify"], record["draft_token"]
         has_draft = llm.draft is not None
     levels = ("bitwise", "rounding")
     rows = [{"kv": group_label(kv_group(f.n_kv)), **f.as_dict(),
              **{f"max_verify_{name}": f.largest_batch(LEVELS[name].bound) for name in levels}} for f in fidelity]
     if as_json:
         click.echo(json.dumps({"fidelity": rows, "rounding_bound": LEVELS["rounding"].bound,
-                               "verify_seconds": list(costs.verify), "draft_token_seconds": costs.draft_token}))
+                               "verify_seconds": list(verify), "draft_token_seconds": draft_token,
+                               "costs_measured": records.describe(record)}))
         return
     click.echo(f"largest |logit difference| of a verify batch of b tokens against single-token rows "
                f"(rounding level allows <= {LEVELS['rounding'].bound:g}):")
@@ -143,10 +159,10 @@ def calibrate_cmd(choice: ModelChoice, kv_groups: int, as_json: bool) -> None:
         click.echo(f"  {'':>14}  largest verify batch: bitwise {row['max_verify_bitwise']}, "
                    f"rounding {row['max_verify_rounding']} (measured in {row['seconds']:.1f} s)")
     click.echo("target decode time by batch size: " +
-               ", ".join(f"{n}: {costs.v(n) * 1000:.0f} ms" for n in (1, 2, 3, 4, 6, 8, 12, 16)))
+               ", ".join(f"{n}: {verify[n - 1] * 1000:.0f} ms" for n in (1, 2, 3, 4, 6, 8, 12, 16))
+               + f" ({records.describe(record)})")
     if has_draft:
-        click.echo(f"draft: {costs.draft_token * 1000:.1f} ms per token "
-                   f"({costs.draft_token / costs.v(1):.0%} of a target step)")
+        click.echo(f"draft: {draft_token * 1000:.1f} ms per token ({draft_token / verify[0]:.0%} of a target step)")
 
 
 @main.command("doctor")
@@ -167,8 +183,7 @@ def doctor_cmd(choice: Optional[ModelChoice], as_json: bool) -> None:
         memory = make_plan(target_path, None if draft_path in (None, MTP) else draft_path, target_settings,
                            draft_settings, gpu_offload=report["gpu_offload"])
         with choice.open() as llm:
-            report["model"] = {**model_report(llm.target, llm.draft), "memory_plan": memory.describe(),
-                               "memory_fits": memory.fits}
+            report["model"] = {**model_report(llm), "memory_plan": memory.describe(), "memory_fits": memory.fits}
     if as_json:
         click.echo(json.dumps(report, indent=1))
         return

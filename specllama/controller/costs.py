@@ -133,6 +133,20 @@ class OnlineCosts:
         v[1:] = np.maximum.accumulate(v[1:])  # more tokens never cost less
         return np.concatenate(([0.0], v))
 
+    def drift(self, factor: float = 1.5, n_min: int = 24) -> Optional[Costs]:
+        """The curve the rounds measure, where it has stayed off the calibration by more than
+        factor (either way) over a window of at least n_min rounds, with v(1) and batches both
+        measured; None while it agrees (or too little was measured, or frozen)."""
+        if self.frozen or self.n_observed < n_min or len(self._one) < 3 or len(self._batches) < 9:
+            return None
+        _, _, n_lo, n_hi = self._fit()
+        sizes = [1, *range(n_lo, n_hi + 1)]
+        ratios = [self._ratio(n) for n in sizes]
+        if max(max(ratios), 1 / min(ratios)) <= factor:
+            return None
+        v = self.table(len(self.seed.verify))
+        return Costs(tuple(float(x) for x in v[1:]), self.draft_token)
+
     def as_dict(self) -> dict:
         v = self.table(16)
         return {"v_ms": {n: round(float(v[n]) * 1000, 2) for n in (1, 2, 3, 4, 6, 8, 12, 16)},

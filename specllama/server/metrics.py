@@ -42,7 +42,7 @@ class Metrics:
         self.accepted_tokens.inc(stats.n_accepted)
         self.near_ties.inc(stats.near_ties or 0)
         for phase, seconds in (("prefill", stats.t_prefill + stats.t_draft_prefill), ("draft", stats.t_draft),
-                               ("verify", stats.t_verify), ("calibrate", stats.t_calibrate),
+                               ("verify", stats.t_verify),
                                ("other", stats.t_other)):
             self.seconds.labels(phase).inc(seconds)
 

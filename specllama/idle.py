@@ -1,0 +1,155 @@
+"""Work that waits for the process to be idle: measurements a request found missing, and the
+draft catching up with the last conversation.
+
+A request never waits for a measurement: where one is missing it decodes as plain decoding
+would there, and the measurement is queued here. A daemon thread runs the queue while no
+generation runs (the server between requests, `specllama chat` while the person types, a
+script between calls), a short grace after the last generation so back-to-back requests do
+not collide with it. Work checks `stop()` between llama.cpp calls: a generation that wants the
+models makes the work in progress end early (restoring what it changed) and retry later, so a
+request waits one decode at most. warm_up() runs the whole queue in the caller's thread.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Optional
+
+log = logging.getLogger("specllama")
+
+GRACE_SECONDS = 0.5  # idle this long after a generation before work starts
+
+
+class Preempted(Exception):
+    """A generation wants the models: the work ends early, to be retried when idle again."""
+
+
+@dataclass
+class Task:
+    """One piece of idle work: run(stop) does it (raising Preempted when stop() says so, and
+    returning False when it should run again later: a measurement the machine disturbed);
+    ready() says whether it can run now (a probe at a KV length needs a context that long)."""
+
+    key: str
+    run: Callable[[Callable[[], bool]], Optional[bool]]
+    ready: Callable[[], bool] = lambda: True
+    what: str = ""  # for the log line
+    n_tries: int = 0
+    # it decodes from position 0 (the conversation is saved to RAM first): it runs after the
+    # work that measures on the live conversation's own tokens, which it would take away
+    takes_context: bool = False
+
+
+class IdleWork:
+    """The queue of idle work of one SpecLlama and the thread that runs it.
+
+    models: the lock whoever uses the models holds (a generation, or a step of idle work);
+    wanted(): whether a generation is waiting for it or running.
+    """
+
+    MAX_TRIES = 20  # a task preempted this often is left for warm_up()
+
+    def __init__(self, models: threading.Lock, wanted: Callable[[], bool], start: bool = True):
+        self._models, self._wanted = models, wanted
+        self._tasks: dict[str, Task] = {}
+        self._cv = threading.Condition()
+        self._closed = False
+        self._last_busy = time.monotonic()
+        self.done: list[str] = []  # what ran, in order (what doctor and tests read)
+        self._thread: Optional[threading.Thread] = None
+        if start:
+            self._thread = threading.Thread(target=self._loop, name="specllama-idle", daemon=True)
+            self._thread.start()
+
+    def add(self, task: Task) -> None:
+        """Queue task unless one with its key is queued already."""
+        with self._cv:
+            if task.key not in self._tasks and not self._closed:
+                self._tasks[task.key] = task
+                self._cv.notify_all()
+
+    def pending(self) -> list[str]:
+        """What is queued, in words."""
+        with self._cv:
+            return [t.what or t.key for t in self._tasks.values()]
+
+    def busy(self) -> None:
+        """A generation just ran: wait a grace period before idle work starts again."""
+        with self._cv:
+            self._last_busy = time.monotonic()
+            self._cv.notify_all()
+
+    def warm_up(self) -> list[str]:
+        """Run every queued task that can run, now, in this thread; what ran."""
+        ran: list[str] = []
+        while (task := self._first_ready(set(ran))) is not None:
+            with self._models:
+                if not self._run(task, lambda: False):
+                    break
+            ran.append(task.key)
+        return ran
+
+    def _first_ready(self, skip: Optional[set[str]] = None) -> Optional[Task]:
+        """The task to run next: one that can run now, those measuring on the live conversation
+        before those that take the context from it."""
+        skip = skip or set()
+        tasks = sorted((t for t in list(self._tasks.values()) if t.key not in skip and t.n_tries < self.MAX_TRIES),
+                       key=lambda t: t.takes_context)
+        return next((t for t in tasks if t.ready()), None)
+
+    def close(self) -> None:
+        with self._cv:
+            self._closed = True
+            self._tasks.clear()
+            self._cv.notify_all()
+
+    def _next(self) -> Optional[Task]:
+        """The next task once the process is idle (None: closed)."""
+        with self._cv:
+            while True:
+                if self._closed:
+                    return None
+                quiet = time.monotonic() - self._last_busy
+                task = self._first_ready() if quiet >= GRACE_SECONDS and not self._wanted() else None
+                if task is not None:
+                    return task
+                # nothing can run yet: look again after the grace (a probe waits for a context
+                # long enough; a new generation or task notifies)
+                self._cv.wait(timeout=max(0.05, GRACE_SECONDS - quiet) if self._tasks else None)
+
+    def _loop(self) -> None:
+        while (task := self._next()) is not None:
+            if not self._models.acquire(blocking=False):
+                self.busy()
+                continue
+            try:
+                if not self._wanted():
+                    self._run(task, self._wanted)
+            finally:
+                self._models.release()
+
+    def _run(self, task: Task, stop: Callable[[], bool]) -> bool:
+        """Run task (the models' lock held); whether it completed."""
+        if task.key not in self._tasks or not task.ready():
+            return False
+        task.n_tries += 1
+        t0 = time.perf_counter()
+        try:
+            if task.run(stop) is False:
+                self.busy()
+                return False
+        except Preempted:
+            self.busy()
+            return False
+        except Exception as e:  # a measurement that fails is reported, never fatal to the process
+            log.warning("idle work %s failed: %s", task.what or task.key, e)
+        with self._cv:
+            self._tasks.pop(task.key, None)
+            self.done.append(task.key)
+        if task.what:
+            log.debug("%s took %.1f s (while idle)", task.what, time.perf_counter() - t0)
+        return True

@@ -1,0 +1,128 @@
+"""Measurements a user can trust and never waits for, on the real pair: a curve a busy machine
+wrote is not used, calibrate writes what run reads, and no probe runs inside a request."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+
+import pytest
+
+import specllama
+from conftest import SETTINGS
+from prompts import LONG_STORY
+from specllama import calibrate, records
+
+FLAT_BUSY = [3.232] * 17  # every size at 3.2 s: flat like a GPU's, on a machine that does ~35 ms
+SLOW_NON_MONOTONE = [0.978, 1.2, 0.4, 4.036] + [1.3] * 13
+BUSY_DRAFT = 3.232
+
+
+@pytest.fixture
+def home(tmp_path, monkeypatch):
+    """An empty calibration folder, as on the first day after install."""
+    monkeypatch.setenv("SPECLLAMA_HOME", str(tmp_path))
+    return tmp_path
+
+
+def load(model_paths, **kw):
+    return specllama.load(model_paths["target"], model_paths["draft"], **SETTINGS, **kw)
+
+
+@pytest.mark.parametrize("curve", [FLAT_BUSY, SLOW_NON_MONOTONE], ids=["flat-and-slow", "non-monotone"])
+def test_a_curve_a_busy_machine_wrote_is_measured_again(model_paths, home, curve):
+    with load(model_paths) as llm:
+        key = calibrate.costs_key(llm.target, llm.draft)
+    records.write(key, records.costs_value(curve, BUSY_DRAFT), "a busy machine")
+    with load(model_paths) as llm:
+        assert llm.planner.costs() is None  # not trusted: the first requests decode plainly
+        assert "the decode-cost curve" in llm.idle.pending()
+        r = llm.generate("def f(x):", max_tokens=8)
+        assert "the decode costs" in r.stats.measurements_pending and r.stats.n_drafted == 0
+        llm.warm_up()
+        costs = llm.planner.costs()
+        assert costs is not None and costs.v(1) < 0.5 < curve[0] and costs.draft_token < 0.5
+        assert llm.generate("def f(x):", max_tokens=24).stats.controller["v_ms"][1] < 500
+    stored = records.read(key)
+    assert stored["how"] == "probe while idle" and stored["verify"][0] < 0.5
+
+
+def test_calibrate_writes_what_run_then_uses(model_paths, home):
+    out = subprocess.run([sys.executable, "-m", "specllama", "calibrate", str(model_paths["target"]), "--draft",
+                          str(model_paths["draft"]), "--ctx", str(SETTINGS["n_ctx"]), "--threads",
+                          str(SETTINGS["n_threads"]), "--kv-groups", "1"], capture_output=True, text=True,
+                         timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "specllama calibrate" in out.stdout
+    with load(model_paths) as llm:  # the settings run uses: the same entries
+        assert llm.planner.costs_record["how"] == "specllama calibrate"
+        assert llm.idle.pending() == [] and llm.batch_diffs.known(0) is not None
+    # a context size of its own changes nothing that was measured
+    with specllama.load(model_paths["target"], model_paths["draft"], n_ctx=1024, n_threads=2) as llm:
+        assert llm.planner.costs_record["how"] == "specllama calibrate" and llm.idle.pending() == []
+
+
+def test_a_request_at_a_kv_length_never_measured_runs_no_probe(model_paths, home, plain, monkeypatch):
+    probes = []
+    real = calibrate.probe_batch_diffs
+
+    def counted(*args, **kwargs):
+        probes.append(time.monotonic())
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(calibrate, "probe_batch_diffs", counted)
+    prompt = LONG_STORY + "Continue the story."
+    expected = plain.generate(prompt, max_tokens=40).tokens
+    with load(model_paths, exact="bitwise") as llm:
+        llm.warm_up()  # the short context and the costs, as a server does after loading
+        probes.clear()
+        t0 = time.monotonic()
+        r = llm.generate(prompt, max_tokens=40)
+        t1 = time.monotonic()
+        assert r.tokens == expected  # bitwise: plain decoding's tokens
+        assert not [t for t in probes if t0 <= t <= t1], "a probe ran inside the request"
+        assert any("verify limit" in m for m in r.stats.measurements_pending)
+        deadline = time.monotonic() + 120  # idle now: the probe runs in the background
+        while llm.idle.pending() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert probes and not llm.idle.pending()
+        again = llm.generate(prompt, max_tokens=40)
+        assert again.tokens == expected and not again.stats.measurements_pending
+
+
+def test_a_request_preempts_idle_work_in_progress(model_paths, home):
+    """A request arriving while a probe runs waits one decode at most, not the whole probe."""
+    with load(model_paths) as llm:
+        llm.generate(LONG_STORY + "Continue the story.", max_tokens=4)  # queues the limits at its KV length
+        deadline = time.monotonic() + 30
+        while not llm.idle.pending() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(0.9)  # past the grace period: the idle thread is at work
+        t0 = time.monotonic()
+        r = llm.generate("def f(x):", max_tokens=2)
+        waited = time.monotonic() - t0 - r.stats.t_total
+        assert waited < 2.0, waited
+
+
+def test_a_turn_whose_reuse_difference_is_unmeasured_reuses_bit_for_bit(model_paths, home):
+    """At the default level a reused state's rows may stray from a fresh prefill's; until that
+    difference is measured the prompt cache reuses only the bit-exact part, so no near-tie can
+    go uncounted, and the probe runs between turns."""
+    with load(model_paths, idle_work=False) as llm:
+        messages = [{"role": "user", "content": LONG_STORY + "Who is in the story?"}]
+        first = llm.chat(messages, max_tokens=4)
+        assert any("reuse difference" in m for m in llm.idle.pending())
+        messages += [{"role": "assistant", "content": first.text}, {"role": "user", "content": "And then?"}]
+        second = llm.chat(messages, max_tokens=4)
+        assert second.stats.prompt_cache_exact
+        assert second.stats.n_prompt_cached % SETTINGS.get("n_batch", 512) == 0
+        llm.warm_up()  # what a server or chat does while the person reads and types
+        assert not any("reuse difference" in m for m in llm.idle.pending())
+        messages += [{"role": "assistant", "content": second.text}, {"role": "user", "content": "Why?"}]
+        # within the KV group measured between the turns (257-512 tokens): a prompt past it
+        # would be reused bit for bit again until that group is measured too
+        assert 256 < len(llm.chat_tokens(messages)) < 500
+        third = llm.chat(messages, max_tokens=4)
+        assert not third.stats.prompt_cache_exact  # all that matched, the last answer included
+        assert third.stats.n_prompt_cached > second.stats.n_prompt_cached

@@ -1,0 +1,57 @@
+"""Cost curves that check themselves, on synthetic curves shaped like what a busy machine wrote."""
+
+from __future__ import annotations
+
+from specllama import records
+
+QUIET = [0.035 + 0.008 * (n - 1) for n in range(1, 18)]  # a Q4_K_M 1.5B on 2 quiet cores
+
+
+def test_a_quiet_curve_checks_out():
+    assert records.costs_problem(QUIET, 0.012, [0.035, 0.036, 0.034], [0.012, 0.0125, 0.012]) is None
+
+
+def test_repeats_that_disagree_say_the_machine_was_busy():
+    why = records.costs_problem(QUIET, 0.012, [0.035, 0.978, 0.9])
+    assert why is not None and "varied" in why
+    assert "draft" in records.costs_problem(QUIET, 0.012, [0.035] * 3, [0.012, 3.2, 0.03])
+
+
+def test_one_slow_repeat_is_a_spike_not_a_busy_machine():
+    assert records.costs_problem(QUIET, 0.012, [0.035, 0.978, 0.036], [0.012, 0.05, 0.012]) is None
+
+
+def test_a_batch_of_four_may_cost_less_than_three_as_cpu_kernels_do():
+    measured = [0.077, 0.113, 0.130, 0.119, 0.163, 0.205, 0.219, 0.233]  # Q4_K_M 1.5B, 2 x86 cores
+    assert records.costs_problem(measured, 0.04, [0.113, 0.085, 0.086, 0.077, 0.070]) is None
+
+
+def test_a_bigger_batch_timed_far_below_a_smaller_one_is_refused():
+    curve = list(QUIET)
+    curve[5] = 4.036  # one size measured while something else ran
+    assert "below" in records.costs_problem(curve, 0.012)
+
+
+def test_a_negative_marginal_cost_is_refused():
+    falling = [0.2] + [0.19 - 0.011 * n for n in range(16)]
+    falling = [max(v, 0.001) for v in falling]
+    assert records.costs_problem(falling, 0.012) is not None
+
+
+def test_a_flat_curve_is_plausible_but_stale_against_live_decodes():
+    flat = [3.232] * 17  # every size timed at 3.2 s: flat like a GPU's, but this machine does 35 ms
+    assert records.costs_problem(flat, 3.232) is None
+    record = records.costs_value(flat, 3.232)
+    assert "ms now" in records.stale(record, v1_now=0.036, draft_now=0.012)
+    assert records.stale(records.costs_value(QUIET, 0.012), v1_now=0.04, draft_now=0.013) is None
+
+
+def test_the_curve_must_agree_with_its_own_repeated_one_token_timing():
+    assert "disagrees" in records.costs_problem([0.012] + QUIET[1:], 0.012, [0.035, 0.036, 0.035])
+
+
+def test_records_carry_when_and_how(tmp_path, monkeypatch):
+    monkeypatch.setenv("SPECLLAMA_HOME", str(tmp_path))
+    stored = records.write("costs|x", records.costs_value(QUIET, 0.012), "probe while idle")
+    assert records.read("costs|x") == stored and stored["how"] == "probe while idle" and stored["measured_at"]
+    assert "probe while idle" in records.describe(stored) and records.describe(None) == "not measured yet"
