@@ -14,7 +14,7 @@ from typing import Any, Optional
 
 import click
 
-from ..errors import SpecLlamaError
+from ..errors import InvalidParameterError, SpecLlamaError
 from ..fidelity import parse_level
 from ..options import GenerateOptions
 
@@ -146,7 +146,11 @@ class ModelChoice:
     def settings(self) -> dict:
         """ModelSettings fields for load() (the draft's prefixed draft_)."""
         target, _ = self.resolve()
-        n_ctx = self.n_ctx or trained_context(target) or 4096
+        trained = trained_context(target)
+        n_ctx = self.n_ctx or trained or 4096
+        if trained and n_ctx > trained:
+            click.echo(f"warning: --ctx {n_ctx} is past the {trained} tokens {target.name} was trained on; "
+                       "output degrades past that (--ctx 0 takes the trained length)", err=True)
         settings: dict[str, Any] = dict(n_ctx=n_ctx, n_threads=self.n_threads, n_gpu_layers=self.n_gpu_layers,
                                         verbose=self.verbose, type_k=self.type_k, type_v=self.type_v,
                                         flash_attn={"on": True, "off": False, "auto": None}[self.flash_attn])
@@ -162,6 +166,12 @@ class ModelChoice:
         from ..loader import load
 
         target, draft = self.resolve()
+        if isinstance(draft, Path) or (isinstance(draft, str) and draft.endswith(".gguf")):
+            n_target, n_draft = target.stat().st_size, Path(draft).stat().st_size
+            if n_draft > n_target:
+                click.echo(f"warning: the draft {Path(draft).name} ({n_draft / 2**30:.2f} GiB) is larger than the "
+                           f"target {target.name} ({n_target / 2**30:.2f} GiB): are MODEL and --draft swapped?",
+                           err=True)
         kwargs: dict[str, Any] = {}
         if self.n_draft is not None:
             kwargs["n_draft"] = self.n_draft if self.n_draft == "auto" else _int_option("--n-draft", self.n_draft)
@@ -243,5 +253,6 @@ def build_generation(values: dict) -> GenerateOptions:
     values["stop"] = list(values.get("stop") or ())
     try:
         return GenerateOptions.of(values)
-    except SpecLlamaError as e:
-        raise click.BadParameter(str(e)) from None
+    except InvalidParameterError as e:  # named as the command line spells it
+        flag = next((o.names[0] for o in GENERATION_OPTIONS if o.dest == e.name), e.name)
+        raise click.BadParameter(f"{e.value!r}: it must be {e.allowed}", param_hint=flag) from None

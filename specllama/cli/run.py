@@ -10,7 +10,8 @@ from typing import Any, Optional
 import click
 
 from ..options import GenerateOptions
-from .app import main, setup_logging
+from .app import main
+from .screen import Screen, install_notes
 from .options import ModelChoice, generation_options, model_options
 
 
@@ -32,9 +33,12 @@ def run(choice: ModelChoice, prompt: Optional[str], gen: GenerateOptions, prompt
 
     PROMPT comes from the argument, -p, -f or, if none, from stdin. Stats go to stderr.
     """
-    setup_logging(choice.verbose)
+    install_notes(choice.verbose)
     prompt = _prompt(prompt, prompt_option, prompt_file)
+    screen = Screen(live=False if as_json else None)
     with choice.open() as llm:
+        screen.notes()
+        first_use(llm)
         use_chat = not raw and llm.target.chat_template() is not None
         if use_chat:
             messages = ([{"role": "system", "content": system}] if system else []) + \
@@ -43,21 +47,17 @@ def run(choice: ModelChoice, prompt: Optional[str], gen: GenerateOptions, prompt
         else:
             tokens = llm.tokenize(prompt)
         stream = llm.stream(tokens, **gen.as_kwargs())
-        status = _StatusLine(llm) if (sys.stderr.isatty() and not as_json) else None
-        for chunk in stream:
-            if not as_json:
-                click.echo(chunk.text, nl=False)
-                sys.stdout.flush()
-            if status is not None:
-                status.update(stream, chunk)
+        if as_json:
+            for _ in stream:
+                pass
+        else:
+            _show(screen, llm, stream)
         result = stream.result
-        if status is not None:
-            status.clear()
         why_not = why_not_speculating(llm, result.stats)
         if not as_json:
             click.echo()
-            draft_name = llm.draft.name if llm.draft else ("prompt lookup" if llm.lookup else "no draft")
-            click.echo(f"[{draft_name}] {result.stats.summary()}, finish: {result.finish_reason}", err=True)
+            screen.notes()
+            click.echo(f"[{models_label(llm)}] {result.stats.summary()}, finish: {result.finish_reason}", err=True)
             if why_not:
                 click.echo(f"speculation off: {why_not}", err=True)
         plain = None
@@ -67,7 +67,7 @@ def run(choice: ModelChoice, prompt: Optional[str], gen: GenerateOptions, prompt
             plain = llm.generate(tokens, **{**gen.as_kwargs(), "n_draft": 0})
         if as_json:
             out = {"text": result.text, "tokens": result.tokens, "finish_reason": result.finish_reason,
-                   "stats": result.stats.as_dict(),
+                   "stats": result.stats.as_dict(), "settings": _settings(llm, choice, gen),
                    "models": {"target": llm.target.name, "draft": llm.draft.name if llm.draft else None},
                    "speculation_off_because": why_not}
             if plain is not None:
@@ -76,6 +76,46 @@ def run(choice: ModelChoice, prompt: Optional[str], gen: GenerateOptions, prompt
             click.echo(json.dumps(out))
         elif plain is not None:
             _print_comparison(result, plain)
+
+
+def _show(screen: Screen, llm: Any, stream: Any) -> None:
+    """Stream the answer with the live status line, which is gone from the screen afterwards."""
+    status = _StatusLine(llm)
+    screen.begin()
+    try:
+        for chunk in stream:
+            screen.text(chunk.text)
+            line = status.update(stream, chunk)
+            if line:
+                screen.status(line)
+    finally:
+        screen.end()
+
+
+def models_label(llm: Any) -> str:
+    """Who wrote the text: the target, and what drafted for it."""
+    if llm.draft is not None:
+        return f"{llm.target.name}, drafted by {'its MTP layers' if llm.mtp else llm.draft.name}"
+    return f"{llm.target.name}, " + ("drafted by prompt lookup" if llm.lookup else "no draft")
+
+
+def first_use(llm: Any) -> None:
+    """A one-shot command is never idle: measure now what a server would measure between
+    requests (once per model, settings and machine), saying so."""
+    pending = llm.idle.pending()
+    if pending:
+        click.echo(f"specllama: first use of {llm.target.name} with these settings here: measuring "
+                   f"{', '.join(pending)} (once; cached for later runs)", err=True)
+        llm.warm_up()
+
+
+def _settings(llm: Any, choice: ModelChoice, gen: GenerateOptions) -> dict:
+    """What the run was given, as the loaded models report it where they can."""
+    given = {k: v for k, v in choice.settings().items() if k != "verbose"}
+    return {**given, "n_ctx": llm.target.n_ctx, "n_threads": getattr(llm.target, "n_threads", given.get("n_threads")),
+            "n_batch": llm.target.n_batch, "draft": llm.draft.name if llm.draft is not None else None,
+            **{k: v for k, v in gen.as_kwargs().items() if k in ("max_tokens", "temperature", "top_k", "top_p",
+                                                                  "min_p", "seed", "repeat_penalty", "stop")}}
 
 
 def _prompt(prompt: Optional[str], prompt_option: Optional[str], prompt_file: Optional[str]) -> str:
@@ -113,21 +153,29 @@ def _print_comparison(spec: Any, plain: Any) -> None:
 
 
 def why_not_speculating(llm: Any, stats: Any) -> Optional[str]:
-    """One line on why a generation drafted nothing, or None when it drafted."""
+    """One line on why a generation drafted nothing (no draft, a measurement still to come, the
+    fidelity level, the cost, the acceptance), or None when it drafted."""
     if stats.n_drafted:
         return None
     if not llm.speculates:
         return "no draft model (--draft auto found none, or --draft none)"
+    if stats.measurements_pending:
+        return (f"{', '.join(stats.measurements_pending)} not measured yet on this machine: decoding plainly "
+                "there until it is (measured when idle, or by `specllama calibrate`)")
     if stats.verify_limits and max(stats.verify_limits.values()) <= 1:
-        return (f"the {stats.fidelity} fidelity level allows no verify batch on this backend "
-                f"(--exact rounding or off allows drafting)")
+        return (f"the {stats.fidelity} fidelity level allows no verify batch on this backend at this context "
+                f"length (--exact off allows drafting; the README's fidelity table says what differs)")
     c = stats.controller
+    v = c.get("v_ms", {})
+    costs = (f"one token takes {v.get(1)} ms, verifying two {v.get(2)} ms and a draft token "
+             f"{c.get('draft_token_ms')} ms here")
     if c.get("kind") == "auto" and not c.get("draft_model"):
-        v = c.get("v_ms", {})
-        return (f"no draft length beats plain decoding on this machine: the target takes {v.get(1)} ms for one "
-                f"token and {v.get(2)} ms to verify two, the draft {c.get('draft_token_ms')} ms a token"
-                + ("; prompt lookup found nothing to copy" if c.get("lookup") else ""))
-    return "no round was predicted to gain from drafting (acceptance too low for this text)"
+        return f"cost: even a draft that is always right would be slower than plain decoding ({costs})" \
+            + ("; prompt lookup found nothing to copy" if c.get("lookup") else "")
+    if c.get("kind") == "auto":
+        return (f"cost at this text's acceptance ({c.get('draft_acceptance', 0):.0%}): every round, plain "
+                f"decoding was predicted faster ({costs})")
+    return "the fixed draft length is 0 (--n-draft)"
 
 
 class _StatusLine:
@@ -140,12 +188,12 @@ class _StatusLine:
         self.n_from_draft = 0
         self.t_last = 0.0
 
-    def update(self, stream: Any, chunk: Any) -> None:
+    def update(self, stream: Any, chunk: Any) -> Optional[str]:
         self.n_tokens += len(chunk.tokens)
         self.n_from_draft += sum(chunk.from_draft)
         now = time.perf_counter()
         if now - self.t_last < 0.25:
-            return
+            return None
         self.t_last = now
         rate = self.n_tokens / max(now - self.t_start, 1e-9)
         share = self.n_from_draft / self.n_tokens if self.n_tokens else 0.0
@@ -154,13 +202,7 @@ class _StatusLine:
         ties = f", {n_ties} near-ties" if n_ties else ""
         if stats is not None and stats.n_prompt_cached:
             ties += f", prompt {stats.n_prompt_cached / stats.n_prompt:.0%} cached"
-        sys.stderr.write(f"\0337\r\n\033[2K  {self.n_tokens} tok, {rate:.1f} tok/s, {share:.0%} drafted "
-                         f"({self.draft}){ties}\0338")
-        sys.stderr.flush()
-
-    def clear(self) -> None:
-        sys.stderr.write("\0337\r\n\033[2K\0338")
-        sys.stderr.flush()
+        return f"  {self.n_tokens} tok, {rate:.1f} tok/s, {share:.0%} drafted ({self.draft}){ties}"
 
 
 @main.command("chat")
@@ -170,9 +212,9 @@ class _StatusLine:
 @click.option("--stats", "show_stats", is_flag=True, help="Print each answer's figures after it (stderr).")
 def chat_cmd(choice: ModelChoice, system: Optional[str], gen: GenerateOptions, show_stats: bool) -> None:
     """Chat with MODEL in the terminal; the history and its prompt cache are kept between turns."""
-    from ..chat import chat_loop
+    from .chat import chat_loop
 
-    setup_logging(choice.verbose)
+    install_notes(choice.verbose)
     try:
         import readline  # noqa: F401  (line editing and history for input())
     except ImportError:

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Optional
+import signal
+from typing import Any, Optional
 
 import click
 
@@ -41,7 +42,24 @@ def serve_cmd(choice: ModelChoice, host: str, port: int, api_key: Optional[str],
                err=True)
     origins = [o.strip() for o in cors_origins.split(",") if o.strip()]
     app = create_app(choice.open, name, api_key, cors_origins=origins, strict_model=strict_model)
-    uvicorn.run(app, host=host, port=port, log_level="info" if choice.verbose else "warning")
+    server = _server(uvicorn.Config(app, host=host, port=port, log_level="info" if choice.verbose else "warning"))
+    server.run()
+    if server.stopped_by == signal.SIGINT:  # Ctrl-C: the shell's convention, as every other command
+        click.get_current_context().exit(130)
+
+
+def _server(config: Any) -> Any:
+    """uvicorn's server, remembering in .stopped_by which signal stopped it."""
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        stopped_by: Optional[int] = None
+
+        def handle_exit(self, sig: int, frame: Any) -> None:
+            self.stopped_by = sig
+            super().handle_exit(sig, frame)
+
+    return Server(config)
 
 
 @main.command("worker")

@@ -111,6 +111,11 @@ class Runtime(Vocab, TreeDecoding):
         self.close()
 
     @property
+    def n_threads(self) -> int:
+        """The threads llama.cpp decodes with (as the context reports them)."""
+        return int(llama_cpp.llama_n_threads(self._ctx.ptr))
+
+    @property
     def max_verify(self) -> int:
         """The largest batch whose tokens can all be rolled back but the first."""
         return self._memory.max_verify(self.n_batch)

@@ -11,10 +11,10 @@ import sys
 from collections.abc import Callable
 from typing import Any, Optional, TextIO
 
-from .errors import PromptTooLongError, SpecLlamaError
+from ..errors import PromptTooLongError, SpecLlamaError
 
-HELP = ("/reset forgets the conversation, /stats shows the last answer's figures, /bye or Ctrl-D leaves; "
-        "Ctrl-C stops an answer")
+HELP = ("/reset forgets the conversation, /stats shows the last answer's figures, /help this line, /bye or "
+        "Ctrl-D leaves; Ctrl-C stops an answer")
 
 
 def chat_loop(llm: Any, options: dict, *, system: Optional[str] = None, show_stats: bool = False,
@@ -29,12 +29,16 @@ def chat_loop(llm: Any, options: dict, *, system: Optional[str] = None, show_sta
         show_stats: print the figures of each answer after it.
         read, out, err: the prompt reader and the output streams.
     """
+    from .screen import Screen
+
+    screen = Screen(out, err, live=False)  # log lines wait for a line of their own between turns
     start = [{"role": "system", "content": system}] if system else []
     history = list(start)
     last = None
     err.write(f"chatting with {llm.target.name}"
-              + (f" (draft {llm.draft.name})" if llm.draft is not None else "") + f". {HELP}.\n")
+              + (f" (drafted by {llm.draft.name})" if llm.draft is not None else "") + f". {HELP}.\n")
     while True:
+        screen.notes()
         try:
             line = read(">>> ")
         except EOFError:
@@ -54,6 +58,9 @@ def chat_loop(llm: Any, options: dict, *, system: Optional[str] = None, show_sta
             continue
         if text == "/stats":
             out.write((last.summary() if last is not None else "no answer yet") + "\n")
+            continue
+        if text in ("/help", "/?"):
+            out.write(HELP + "\n")
             continue
         if text.startswith("/"):
             out.write(f"unknown command {text}; {HELP}\n")

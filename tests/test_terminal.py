@@ -1,0 +1,198 @@
+"""What the terminal really shows (a pseudo-terminal read through pyte, a terminal emulator),
+Ctrl-C at every moment, and llama.cpp's flag spellings."""
+
+from __future__ import annotations
+
+import io
+import json
+import signal
+import subprocess
+import sys
+import time
+
+import pexpect
+import pyte
+import pytest
+
+import specllama
+from conftest import SETTINGS
+
+ROWS, COLS = 12, 80  # small, so the answer scrolls past the row the status line is drawn on
+PROMPT = "Write a Python function that checks whether a number is prime, with a docstring and two examples."
+
+
+def model_args(model_paths):
+    return [str(model_paths["target"]), "--draft", str(model_paths["draft"]), "--ctx", str(SETTINGS["n_ctx"]),
+            "--threads", str(SETTINGS["n_threads"])]
+
+
+def screen_of(child_output: str, rows: int = ROWS, cols: int = COLS) -> list[str]:
+    """Every line the terminal showed, scrolled-off ones first, as a person would read them."""
+    screen = pyte.HistoryScreen(cols, rows, history=10_000)
+    screen.set_mode(pyte.modes.LNM)  # a newline returns the carriage, as a terminal's onlcr does
+    pyte.Stream(screen).feed(child_output)
+    history = ["".join(line[x].data for x in range(cols)) for line in screen.history.top]
+    return [line.rstrip() for line in history + screen.display]
+
+
+def wrapped(text: str, cols: int = COLS) -> list[str]:
+    out = []
+    for line in text.split("\n"):
+        out += [line[i:i + cols].rstrip() for i in range(0, max(len(line), 1), cols)]
+    return out
+
+
+def test_run_s_status_line_never_lands_in_the_answer(model_paths, pair):
+    expected = pair.chat([{"role": "user", "content": PROMPT}], max_tokens=160).text
+    child = pexpect.spawn(sys.executable, ["-m", "specllama", "run", *model_args(model_paths), PROMPT,
+                                           "--max-tokens", "160"], encoding="utf-8", timeout=300,
+                          dimensions=(ROWS, COLS))
+    child.expect(pexpect.EOF)
+    child.close()
+    assert child.exitstatus == 0, child.before
+    lines = screen_of(child.before)
+    start = next(i for i, line in enumerate(lines) if line and expected.split("\n")[0].startswith(line[:20]))
+    answer = lines[start:start + len(wrapped(expected))]
+    assert answer == wrapped(expected), repr(child.before[-3000:])  # the screen shows the text, nothing else
+    assert not any("drafted (" in line for line in lines)  # the status line is gone once it ended
+    after = "".join(lines[start + len(wrapped(expected)):])  # the stats line, wrapped at COLS
+    assert after.startswith("[") and "drafted by" in after and "tok/s" in after, lines
+
+
+def test_a_status_drawn_after_a_full_width_line_leaves_the_line_whole():
+    """Some terminals forget the wrap a full line owes when the cursor is restored: the status
+    line waits for the next token there, so the answer's last column survives."""
+    import fcntl
+    import os
+    import struct
+    import termios
+
+    from specllama.cli.screen import Screen, advance
+
+    assert advance(0, "a" * COLS, COLS) == COLS and advance(COLS, " b", COLS) == 2
+    assert advance(COLS - 1, "漢", COLS) == 2 and advance(3, "x\n", COLS) == 0
+    master, slave = os.openpty()
+    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", ROWS, COLS, 0, 0))
+    tty = os.fdopen(slave, "w")
+    screen = Screen(tty, tty)
+    full = "x" * (COLS - 3) + "end"
+    screen.begin()
+    for piece in ["first line\n", full, " next", " line\n"]:
+        screen.text(piece)
+        screen.status("12 tok, 9.0 tok/s")
+    screen.end()
+    tty.close()
+    raw = b""
+    while True:
+        try:
+            chunk = os.read(master, 65536)
+        except OSError:
+            break
+        if not chunk:
+            break
+        raw += chunk
+    os.close(master)
+    shown = [line for line in screen_of(raw.decode()) if line]
+    assert shown == ["first line", full, " next line"], shown
+
+
+def test_chat_shows_one_time_notes_between_turns_not_inside_answers(model_paths, pair, tmp_path):
+    env = {"SPECLLAMA_HOME": str(tmp_path)}  # a fresh machine: the first turns trigger one-time measurements
+    questions = ["Name three primary colors, one per line.", "And three secondary colors, one per line?"]
+    child = pexpect.spawn(sys.executable, ["-m", "specllama", "chat", *model_args(model_paths), "--max-tokens", "40",
+                                           "-v"], encoding="utf-8", timeout=300, dimensions=(200, 200),
+                          env={**__import__("os").environ, **env})
+    child.logfile_read = io.StringIO()  # the whole session (child.before holds only the last part)
+    try:
+        for q in questions:
+            child.expect_exact(">>> ")
+            time.sleep(3)  # the person types; idle work runs and its lines wait for a line of their own
+            child.sendline(q)
+        child.expect_exact(">>> ")
+        child.sendeof()
+        child.expect(pexpect.EOF)
+    finally:
+        child.close(force=True)
+    lines = screen_of(child.logfile_read.getvalue(), rows=200, cols=200)
+    history: list[dict] = []
+    for q in questions:
+        history.append({"role": "user", "content": q})
+        answer = pair.chat(history, max_tokens=40).text
+        history.append({"role": "assistant", "content": answer})
+        at = next(i for i, line in enumerate(lines) if line.endswith(q))
+        assert lines[at + 1:at + 1 + len(answer.split("\n"))] == answer.split("\n"), lines[at:at + 12]
+    notes = [line for line in lines if line.startswith("specllama: ")]
+    assert notes and all(line.startswith("specllama: ") for line in notes)  # each on a line of its own
+
+
+def interrupt_at(args, seconds, model_paths, expect=None):
+    proc = subprocess.Popen([sys.executable, "-m", "specllama", *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, stdin=subprocess.PIPE, text=True)
+    try:
+        if expect is not None:  # wait for text, then interrupt (mid-generation)
+            deadline = time.monotonic() + 120
+            seen = ""
+            while expect not in seen and time.monotonic() < deadline:
+                seen += proc.stdout.read(1)
+        else:
+            time.sleep(seconds)
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    return proc.returncode, err
+
+
+# 0.5 s: still importing; 1.5 s: loading the models (chat is at its prompt by then on a fast machine)
+@pytest.mark.parametrize("command, seconds", [("run", 0.5), ("run", 1.5), ("bench", 1.5), ("doctor", 1.5),
+                                              ("serve", 1.5), ("chat", 0.5)])
+def test_ctrl_c_while_loading_exits_130_without_a_traceback(model_paths, tmp_path, command, seconds):
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"prompt": "hi"}) + "\n")
+    extra = {"run": ["hello"], "bench": ["--prompts", str(prompts)], "doctor": [], "serve": ["--port", "0"],
+             "chat": []}[command]
+    code, err = interrupt_at([command, *model_args(model_paths), *extra], seconds, model_paths)
+    assert code == 130 and "Traceback" not in err and "Exception ignored" not in err, (code, err[-2000:])
+
+
+def test_ctrl_c_mid_generation_exits_130_without_a_traceback(model_paths):
+    code, err = interrupt_at(["run", *model_args(model_paths), "Count from 1 to 300, one per line.", "-n", "600"],
+                             0, model_paths, expect="12")
+    assert code == 130 and "Traceback" not in err, (code, err[-2000:])
+
+
+ALIASES = [  # llama.cpp's spelling, then specllama's long form: the same settings reach the model
+    (["-c", "1024", "-t", "1", "-ngl", "0", "-fa", "off", "-ctk", "q8_0", "-ctv", "f16", "-n", "3", "-s", "7",
+      "--repeat-penalty", "1.1"],
+     ["--ctx-size", "1024", "--threads", "1", "--gpu-layers", "0", "--flash-attn", "off", "--cache-type-k", "q8_0",
+      "--cache-type-v", "f16", "--max-tokens", "3", "--seed", "7", "--repeat-penalty", "1.1"]),
+    (["--n-predict", "2", "-ngld", "0", "--n-gpu-layers", "0"], ["--max-tokens", "2", "--draft-gpu-layers", "0",
+                                                                  "--gpu-layers", "0"]),
+]
+
+
+@pytest.mark.parametrize("alias, long_form", ALIASES)
+def test_llama_cpp_flag_spellings_reach_the_same_settings(model_paths, alias, long_form):
+    def settings(flags, model_flag):
+        model = ["-m", str(model_paths["target"])] if model_flag else [str(model_paths["target"])]
+        draft = ["-md", str(model_paths["draft"])] if model_flag else ["--draft", str(model_paths["draft"])]
+        out = subprocess.run([sys.executable, "-m", "specllama", "run", *model, *draft, *flags, "--json", "-p", "hi"],
+                             capture_output=True, text=True, timeout=300)
+        assert out.returncode == 0, out.stderr[-2000:]
+        return json.loads(out.stdout)["settings"]
+
+    assert settings(alias, True) == settings(long_form, False)
+
+
+def test_options_are_checked_before_anything_loads(model_paths):
+    t0 = time.monotonic()
+    out = subprocess.run([sys.executable, "-m", "specllama", "run", str(model_paths["target"]), "hi",
+                          "--max-tokens", "0"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and "--max-tokens" in out.stderr and "max_tokens=" not in out.stderr
+    assert time.monotonic() - t0 < 15  # no model was loaded to find out
+    ok = subprocess.run([sys.executable, "-m", "specllama", "run", str(model_paths["target"]), "--draft", "none",
+                         "--exact", "0.1", "--ctx", "0", "-n", "2", "--json", "-p", "hi"], capture_output=True,
+                        text=True, timeout=300)
+    assert ok.returncode == 0, ok.stderr[-2000:]
+    assert json.loads(ok.stdout)["settings"]["n_ctx"] == 32768  # --ctx 0: the model's trained context
+    assert specllama.__version__
