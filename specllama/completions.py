@@ -21,8 +21,7 @@ from .stats import Stats
 from .tools import ToolFormat, check_tools, chosen_tools, detect
 
 # llama-cpp-python arguments specllama does not apply yet: the value that means "off", and why
-NEUTRAL = {"suffix": (None, "fill-in-the-middle prompts are not built yet"),
-           "echo": (False, "echoing the prompt (with its logprobs) is not built yet"),
+NEUTRAL = {"echo": (False, "echoing the prompt (with its logprobs) is not built yet"),
            "typical_p": (1.0, "locally typical sampling is not among specllama's samplers yet"),
            "tfs_z": (1.0, "tail-free sampling was removed from llama.cpp"),
            "mirostat_mode": (0, "mirostat's state follows each sampled token's surprise; not built yet"),

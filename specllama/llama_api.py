@@ -3,10 +3,12 @@ sequences as llama-cpp-python 0.3.36 (completions.py), on the one generate path.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, Optional, Union
 
 from .completions import Completion, chat_logprobs, check_supported, generate_options, shaping_options, tool_setup
+from .errors import InvalidParameterError
+from .fim import fim_prompt
 
 if TYPE_CHECKING:
     from .engine import Prompt
@@ -25,15 +27,20 @@ class LlamaApi:
                           logprobs: Optional[int] = None, frequency_penalty: float = 0.0,
                           presence_penalty: float = 0.0, repeat_penalty: float = 1.0, grammar: Any = None,
                           logit_bias: Optional[dict] = None, n_draft: Union[None, int, str] = None,
-                          **unsupported: Any) -> Any:
+                          suffix: Optional[str] = None, **unsupported: Any) -> Any:
         """llama_cpp.Llama.create_completion: a text_completion dict, or its chunks if stream.
 
         Same defaults and shapes as llama-cpp-python 0.3.36; n_draft is specllama's own. The
         grammar (GBNF text or a LlamaGrammar), logit_bias, penalties and logprobs are applied
-        in verification; suffix, echo, typical_p, mirostat and logits processors raise
+        in verification; suffix makes it fill in the middle between prompt and suffix (the
+        GGUF's FIM tokens). echo, typical_p, mirostat and logits processors raise
         InvalidParameterError.
         """
         check_supported(unsupported)
+        if suffix is not None:
+            if not isinstance(prompt, str) or not isinstance(suffix, str):
+                raise InvalidParameterError("suffix", suffix, "text, with a text prompt (fill in the middle)")
+            prompt = self.fim_tokens(prompt, suffix, n_predict=max_tokens or 128)
         tokens = self._prompt_tokens(prompt)
         shaping = shaping_options(grammar=grammar, logit_bias=logit_bias, repeat_penalty=repeat_penalty,
                                   frequency_penalty=frequency_penalty, presence_penalty=presence_penalty,
@@ -68,6 +75,16 @@ class LlamaApi:
                                   presence_penalty=presence_penalty, logprobs=chat_logprobs(logprobs, top_logprobs))
         return self._complete(tokens, True, max_tokens, stream, tool_format, temperature=temperature,
                               top_p=top_p, min_p=min_p, top_k=top_k, stop=stop, seed=seed, n_draft=n_draft, **shaping)
+
+    def fim_tokens(self, prefix: str, suffix: str, *, prompt: str = "", extra: Sequence[dict] = (),
+                   n_predict: int = 128) -> list[int]:
+        """The fill-in-the-middle prompt between prefix and suffix (fim.fim_prompt): other files
+        in extra ({"filename", "text"}), prompt after the prefix. InvalidParameterError for a
+        model whose GGUF has no FIM tokens."""
+        target = self.target
+        return fim_prompt(lambda text: target.tokenize(text, add_special=False), target.fim_tokens(), prefix,
+                          suffix, prompt=prompt, extra=extra, n_batch=target.n_batch, n_ctx=target.n_ctx,
+                          n_predict=n_predict, bos=target.bos if target.add_bos else None)
 
     def _complete(self, tokens: list[int], chat: bool, max_tokens: Optional[int], stream: bool,
                   tool_format: Any, **options: Any) -> Any:

@@ -55,3 +55,19 @@ def plain(model_paths):
     run's, whatever the tests before it asked."""
     with specllama.load(model_paths["target"], exact="bitwise", **SETTINGS) as llm:
         yield llm
+
+
+SERVER_KEY = "test-key-123"
+SERVER_MODEL = "qwen-test"
+
+
+@pytest.fixture(scope="session")
+def served(model_paths, tmp_path_factory):
+    """One real `specllama serve` of the pair for the server test modules; yields (base url,
+    /health statuses seen while it started). Stopped at the end of the session."""
+    from serving import serve
+
+    log = tmp_path_factory.mktemp("serve") / "serve.log"
+    with serve(model_paths["target"], log, "--draft", str(model_paths["draft"]), "--api-key", SERVER_KEY,
+               "--model-id", SERVER_MODEL) as running:
+        yield running

@@ -11,20 +11,18 @@ import openai
 import pytest
 
 from prompts import CODE
-from serving import post as post_to, serve
+from conftest import SERVER_KEY
+from serving import post as post_to
 
-KEY = "test-key-123"
+KEY = SERVER_KEY
 MESSAGES = [{"role": "user", "content": "Write a Python function that reverses a string."}]
 N_TOKENS = 24
 
 
 @pytest.fixture(scope="module")
-def server(model_paths, tmp_path_factory):
-    """The server process; yields (base url, /health statuses seen while it started)."""
-    log = tmp_path_factory.mktemp("serve") / "serve.log"
-    with serve(model_paths["target"], log, "--draft", str(model_paths["draft"]), "--api-key", KEY,
-               "--model-id", "qwen-test") as running:
-        yield running
+def server(served):
+    """The session's server; (base url, /health statuses seen while it started)."""
+    return served
 
 
 @pytest.fixture(scope="module")

@@ -84,6 +84,13 @@ class Server:
         finally:
             disconnect.close()
 
+    def record(self, what: str, stats: Any) -> None:
+        """A generation ended: its counters, and one log line (what it cost, as llama-server logs)."""
+        self.metrics.record(stats)
+        log.info("%s: %d prompt tokens (%d cached), first token after %.2f s, %d tokens in %.2f s (%.1f tok/s, "
+                 "%d of %d drafts accepted)", what, stats.n_prompt, stats.n_prompt_cached, stats.t_prefill,
+                 stats.n_generated, stats.t_total, stats.decode_tokens_per_second, stats.n_accepted, stats.n_drafted)
+
     def stream_ended(self, request: Request, job: Job) -> None:
         """A stream's response ended: a generation still running lost its client."""
         if not job.finished:
@@ -103,9 +110,9 @@ def create_app(load: Callable[[], Any], model_id: str, api_key: Optional[str] = 
         cors_origins: origins browsers may call from ("*" for any); none by default.
         strict_model: answer 404 for a request naming another model, as OpenAI does.
     """
-    from . import openai_chat
+    from . import anthropic_messages, llama_server, openai_chat, openai_responses
 
-    translators = (openai_chat,)
+    translators = (openai_chat, anthropic_messages, openai_responses, llama_server)
     metrics = Metrics({"/health", "/metrics", "/v1/models", "/"} | {p for t in translators for p in t.PATHS})
     server: Server
 

@@ -64,6 +64,7 @@ class CompletionBody(_Body):
     prompt: Union[str, list[int], list[str], list[list[int]]]
     max_tokens: Optional[int] = 16
     logprobs: Optional[int] = None
+    suffix: Optional[str] = None  # fill in the middle between prompt and suffix
 
 
 class ChatBody(_Body):
@@ -164,6 +165,10 @@ class Plan:
             assert isinstance(body, CompletionBody)
             batch = body.prompt if isinstance(body.prompt, list) and body.prompt \
                 and isinstance(body.prompt[0], (str, list)) else [body.prompt]
+            if body.suffix is not None:  # OpenAI's legacy FIM field, with the GGUF's FIM tokens
+                if not all(isinstance(p, str) for p in batch):
+                    raise InvalidParameterError("suffix", body.suffix, "given with a text prompt")
+                batch = [llm.fim_tokens(str(p), body.suffix, n_predict=body.max_tokens or 128) for p in batch]
             prompts = [llm._prompt_tokens(p) for p in batch]
             max_tokens, n_logprobs = body.max_tokens, body.logprobs
         shaping = shaping_options(grammar=grammar, response_format=response_format, logit_bias=body.logit_bias,
@@ -211,7 +216,7 @@ class Plan:
                     responses.append((completion.response(), indices))
             finally:
                 if completion.stats is not None:
-                    self.server.metrics.record(completion.stats)
+                    self.server.record("chat" if self.chat else "completion", completion.stats)
             self.done.append((j, completion, indices))
         if self.stream or job.cancelled:
             return None
