@@ -122,7 +122,7 @@ def test_a_turn_whose_reuse_difference_is_unmeasured_reuses_bit_for_bit(model_pa
         messages += [{"role": "assistant", "content": second.text}, {"role": "user", "content": "Why?"}]
         # within the KV group measured between the turns (257-512 tokens): a prompt past it
         # would be reused bit for bit again until that group is measured too
-        assert 256 < len(llm.chat_tokens(messages)) < 500
+        assert 256 < len(llm.chat_tokens(messages)) + 4 <= 512
         third = llm.chat(messages, max_tokens=4)
         assert not third.stats.prompt_cache_exact  # all that matched, the last answer included
         assert third.stats.n_prompt_cached > second.stats.n_prompt_cached
