@@ -196,3 +196,15 @@ def test_options_are_checked_before_anything_loads(model_paths):
     assert ok.returncode == 0, ok.stderr[-2000:]
     assert json.loads(ok.stdout)["settings"]["n_ctx"] == 32768  # --ctx 0: the model's trained context
     assert specllama.__version__
+
+
+def test_compare_runs_both_twice_alternated_and_says_when_it_is_noise(model_paths):
+    out = subprocess.run([sys.executable, "-m", "specllama", "run", *model_args(model_paths), "def add(a, b):",
+                          "--raw", "-n", "16", "--compare", "--json"], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    plain = json.loads(out.stdout)["plain"]
+    assert len(plain["speedups"]) == 2 and all(x > 0 for x in plain["speedups"]) and plain["identical"]
+    shown = subprocess.run([sys.executable, "-m", "specllama", "run", *model_args(model_paths), "def add(a, b):",
+                            "--raw", "-n", "16", "--compare"], capture_output=True, text=True, timeout=300)
+    line = next(x for x in shown.stderr.splitlines() if x.startswith("speedup:"))
+    assert "two runs each, alternated" in line
