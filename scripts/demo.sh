@@ -17,6 +17,11 @@ def checkout(cart, tax_rate):
         total += item.price * item.quantity
     total = round(total * (1 + tax_rate), 2)
     return total"
+if ! command -v nvidia-smi >/dev/null 2>&1 && [ "$(uname -s)/$(uname -m)" != Darwin/arm64 ]; then
+  echo "demo: no GPU here. On a CPU the target is compute-bound: a verify pass of several tokens costs more" >&2
+  echo "demo: than one, so expect code within noise of plain decoding and the edit faster (prompt lookup" >&2
+  echo "demo: copies from the input). On a GPU or Apple Silicon the draft pays on code too." >&2
+fi
 echo "== code, speculative then plain ==" >&2
 .venv/bin/specllama run "$TARGET" "$PROMPT" --max-tokens 128 --compare "$@"
 echo >&2
