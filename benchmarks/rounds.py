@@ -29,7 +29,11 @@ def main() -> None:
     args = parser.parse_args()
     target, draft = fetch_models.path_of(args.target), fetch_models.path_of("draft")
     messages = [{"role": "user", "content": WORKLOADS[args.workload]}]
-    with specllama.load(target, draft, n_ctx=2048) as pair, specllama.load(target, "ngram", n_ctx=2048) as lookup:
+    # no idle thread measuring between timed runs: what it would measure runs once, untimed
+    with specllama.load(target, draft, n_ctx=2048, idle_work=False) as pair, \
+            specllama.load(target, "ngram", n_ctx=2048, idle_work=False) as lookup:
+        pair.warm_up()
+        lookup.warm_up()
         configs = [("plain", pair, 0, 1), ("auto", pair, "auto", "auto"), ("auto chains", pair, "auto", 1),
                    ("lookup alone", lookup, "auto", 1)]
         configs += [(f"k={k}", pair, int(k), 1) for k in args.fixed.split(",")]

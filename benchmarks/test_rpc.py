@@ -95,7 +95,8 @@ def test_rpc_plain_vs_speculative(two_workers, bench_models):
     models = (bench_models["target-f16"], bench_models["draft"])
     settings = dict(n_ctx=2048, n_threads=2)
     rows = []
-    with specllama.load(*models, **settings) as local:
+    with specllama.load(*models, **settings, idle_work=False) as local:
+        local.warm_up()  # the costs auto decides from, untimed
         tokens = local.chat_tokens([{"role": "user", "content": WORKLOADS["code"]}])
         local_plain, local_spec = run(local, tokens, 0), run(local, tokens, "auto")
     with specllama.load(*models, rpc=[r.endpoint for r in relays], **settings) as llm:

@@ -52,7 +52,10 @@ def model(bench_models, target: str, draft: str | None):
     key = (target, draft)
     if key not in _loaded:
         draft_arg = {"draft": bench_models["draft"], "ngram": "ngram", None: None}[draft]
-        _loaded[key] = specllama.load(bench_models[TARGETS[target]], draft_arg, n_ctx=4096, n_threads=N_THREADS)
+        # no idle thread measuring between timed runs: what it would measure runs once, untimed
+        _loaded[key] = specllama.load(bench_models[TARGETS[target]], draft_arg, n_ctx=4096, n_threads=N_THREADS,
+                                      idle_work=False)
+        _loaded[key].warm_up()
     return _loaded[key]
 
 

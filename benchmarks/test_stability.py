@@ -29,7 +29,8 @@ def test_runs_are_within_ten_percent_of_the_best(bench_models, workload):
     messages = [{"role": "user", "content": PROMPTS[workload]}]
     rates = []
     for obj in range(3):
-        with specllama.load(bench_models["target-f16"], bench_models["draft"], n_ctx=4096, n_threads=N_THREADS) as llm:
+        with specllama.load(bench_models["target-f16"], bench_models["draft"], n_ctx=4096, n_threads=N_THREADS,
+                            idle_work=False) as llm:
             llm.warm_up()
             llm.chat(messages, max_tokens=8)
             for _ in range(4):

@@ -48,9 +48,10 @@ def messages(document: str) -> list[dict]:
 @pytest.mark.parametrize("target", list(TARGETS))
 def test_json_extraction(bench_models, target):
     path = bench_models[TARGETS[target]]
-    with specllama.load(path, n_ctx=2048, n_threads=N_THREADS) as alone, \
-            specllama.load(path, bench_models["draft"], n_ctx=2048, n_threads=N_THREADS) as pair:
+    with specllama.load(path, n_ctx=2048, n_threads=N_THREADS, idle_work=False) as alone, \
+            specllama.load(path, bench_models["draft"], n_ctx=2048, n_threads=N_THREADS, idle_work=False) as pair:
         for llm in (alone, pair):  # first-use measurements, untimed
+            llm.warm_up()
             llm.chat(messages(DOCUMENTS[0]), max_tokens=8, json_schema=SCHEMA)
         times: dict[str, list[float]] = {"plain": [], "forced": [], "spec": [], "free spec": []}
         rates: dict[str, list[float]] = {name: [] for name in times}
