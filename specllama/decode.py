@@ -126,7 +126,7 @@ def generate_steps(d: Decoding, prompt: Sequence[int]) -> Generator[Step, None, 
             stats.n_draft_prompt_cached, stats.t_draft_prefill = d.proposer.draft_prefill()
             stats.t_draft -= stats.t_draft_prefill
         if first_gap is not None:  # no round ran: judge the first row if the tolerance is known
-            _judge_first_row(first_gap, d.limits.tolerance(len(prompt) - 1, 1, measure=False), stats)
+            _judge_first_row(first_gap, d.limits.tolerance(len(prompt) - 1, 1), stats)
 
 
 def _propose(d: Decoding, tokens: list[int], n_verify_max: int) -> _Round:

@@ -294,11 +294,9 @@ class SpecLlama(LlamaApi):
             try:
                 # the prompt cache: bitwise and seeded sampling reuse only what a fresh prefill
                 # computes bit for bit; otherwise all that matches, and the rows carry the
-                # measured difference of reuse into the near-tie tolerance (bit for bit, too,
-                # until that difference is measured: an unmeasured one could hide a near-tie)
-                canonical = req.level.bound == 0 or req.seeded or (
-                    req.level.limited and not self.planner.reuse_known(len(req.prompt) - 1))
-                reuse = self.target_cache.prefill(req.prompt, canonical=canonical)
+                # measured difference of reuse (an assumed one until measured) into the
+                # near-tie tolerance
+                reuse = self.target_cache.prefill(req.prompt, canonical=req.level.bound == 0 or req.seeded)
                 stats.t_prefill = time.perf_counter() - t_start
                 stats.n_prompt_cached, stats.prompt_cache, stats.prompt_cache_exact = \
                     reuse.n_reused, reuse.source, reuse.exact

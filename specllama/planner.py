@@ -2,9 +2,9 @@
 machine, and what to measure when the process is idle.
 
 No probe runs on a request's path: a request at a KV length whose verify limit is not known
-decodes plainly there, one whose prompt ends where the reuse difference is not known reuses only
-what a fresh prefill computes bit for bit (so every near-tie stays countable), one without
-decode costs decodes plainly, and each missing measurement is queued (idle.py). Costs
+decodes plainly there, one on a reused prompt cache whose reuse difference is not known judges
+near-ties with an assumed one (fidelity.ASSUMED_REUSE_DIFF: over-counted, never missed), one
+without decode costs decodes plainly, and each missing measurement is queued (idle.py). Costs
 check themselves: a cached curve is used only if it is plausible and a few live decodes agree
 with it (records.py); a curve the rounds keep contradicting is replaced by what they measure.
 """
@@ -12,7 +12,6 @@ with it (records.py); a curve the rounds keep contradicting is replaced by what 
 from __future__ import annotations
 
 import logging
-import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Optional, Union
@@ -188,10 +187,6 @@ class Planner:
 
         self.idle.add(Task(f"reuse|{group}", run, lambda: self._probe_at(group, 13) is not None,
                            what=f"the reuse difference at {group_label(group)}"))
-
-    def reuse_known(self, n_past: int) -> bool:
-        """Whether the reuse difference at a prompt of n_past tokens is measured (queued if not)."""
-        return not math.isnan(self.reuse_diffs.get(n_past))
 
     def want_catch_up(self) -> None:
         """After a generation: the reuse difference where the conversation now ends is queued (the

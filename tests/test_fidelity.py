@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 
 from specllama.errors import InvalidParameterError
-from specllama.fidelity import (MAX_VERIFY, ROUNDING_BOUND, BatchDiffs, DiffTable, Limits, kv_group,
+from specllama.fidelity import (ASSUMED_REUSE_DIFF, MAX_VERIFY, ROUNDING_BOUND, BatchDiffs, DiffTable, Limits,
+                                ReuseTable, kv_group,
                                 kv_length, near_tie, parse_level)
 
 # F16-like: float rounding at every size; Q4_K-like: bitwise to 3, then another kernel path
@@ -48,47 +49,63 @@ def test_a_partial_measurement_covers_only_bounds_it_ran_past():
     assert F16.covers(math.inf)
 
 
-class FakeProbe:
-    """Stands in for calibrate.batch_diffs: records where it was asked to measure."""
+class Measured:
+    """Stands in for what calibrate has cached (by KV group) and for the idle-work queue: records
+    where a measurement was asked for."""
 
     def __init__(self, by_group):
         self.by_group, self.calls = by_group, []
 
-    def __call__(self, n_past, bound):
+    def cached(self, group):
+        return self.by_group.get(group)
+
+    def missing(self, n_past, bound=None):
         self.calls.append((n_past, bound))
-        return self.by_group[kv_group(kv_length(max(n_past, 8) + 1, 4096))]
+
+    def table(self):
+        return DiffTable(self.cached, self.missing, 4096)
 
 
-def test_each_kv_group_is_measured_once_when_first_reached():
-    probe = FakeProbe({0: Q4, 1: Q4_LONG, 2: Q4_LONG})
-    table = DiffTable(probe, 4096)
-    assert table.get(0, 0.0) is Q4 and table.get(100, 0.0) is Q4
-    assert table.get(300, 0.0) is Q4_LONG and table.get(400, 0.0) is Q4_LONG
-    assert [n for n, _ in probe.calls] == [0, 300]
+def test_a_kv_group_not_measured_is_asked_for_and_decodes_plainly_meanwhile():
+    measured = Measured({})
+    table = measured.table()
+    assert table.get(0, 0.0) is None and measured.calls == [(0, 0.0)]
+    table.groups[0] = Q4  # the idle work ran
+    assert table.get(100, 0.0) is Q4 and measured.calls == [(0, 0.0)]
+    assert table.get(300, 0.0) is None and measured.calls[-1] == (300, 0.0)
+    limits = Limits(parse_level("rounding"), table)
+    assert limits.max_batch(300) == 1 and any("KV <= 512" in w for w in limits.waiting)
+
+
+def test_what_is_cached_is_read_once_not_per_round():
+    reads = []
+    table = DiffTable(lambda group: reads.append(group), lambda n_past, bound: None, 4096)
+    for n_past in (300, 301, 302):
+        table.get(n_past, 0.0)
+    assert reads == [1]
 
 
 def test_a_probe_that_would_cross_a_padding_step_waits_for_the_next_group():
-    probe = FakeProbe({0: Q4, 1: Q4_LONG, 2: Q4_LONG})
-    limits = Limits(parse_level("bitwise"), DiffTable(probe, 4096))
+    measured = Measured({0: Q4})
+    limits = Limits(parse_level("bitwise"), measured.table())
     assert limits.max_batch(500) == 1  # 12 cells left before 512: plain decoding meanwhile
-    assert probe.calls == []
-    assert limits.max_batch(520) == 1 and probe.calls == [(520, 0.0)]
+    assert measured.calls == []
+    assert limits.max_batch(520) == 1 and measured.calls == [(520, 0.0)]
 
 
-def test_a_tighter_measurement_is_remeasured_for_a_looser_bound():
+def test_a_tighter_measurement_is_asked_again_for_a_looser_bound():
     first = BatchDiffs(256, (0.015,), complete=False)
-    probe = FakeProbe({0: F16})
-    table = DiffTable(probe, 4096)
-    table.groups[0] = first
-    assert table.get(10, 0.0) is first and probe.calls == []
-    assert table.get(10, ROUNDING_BOUND) is F16 and probe.calls == [(10, ROUNDING_BOUND)]
+    measured = Measured({0: first})
+    table = measured.table()
+    assert table.get(10, 0.0) is first and measured.calls == []
+    assert table.get(10, ROUNDING_BOUND) is first and measured.calls == [(10, ROUNDING_BOUND)]
 
 
 def test_limits_follow_the_level_and_never_cross_a_padding_step():
-    probe = FakeProbe({0: F16, 1: F16})
-    bitwise = Limits(parse_level("bitwise"), DiffTable(probe, 4096))
-    rounding = Limits(parse_level("rounding"), DiffTable(probe, 4096))
-    off = Limits(parse_level("off"), DiffTable(probe, 4096))
+    measured = Measured({0: F16, 1: F16})
+    bitwise = Limits(parse_level("bitwise"), measured.table())
+    rounding = Limits(parse_level("rounding"), measured.table())
+    off = Limits(parse_level("off"), measured.table())
     assert bitwise.max_batch(10) == 1
     assert rounding.max_batch(10) == MAX_VERIFY
     assert rounding.max_batch(250) == 6  # rows 250..255 stay at KV length 256
@@ -97,13 +114,26 @@ def test_limits_follow_the_level_and_never_cross_a_padding_step():
 
 
 def test_tolerance_is_twice_the_difference_and_keeps_the_drift_of_earlier_batches():
-    probe = FakeProbe({0: F16})
-    limits = Limits(parse_level("rounding"), DiffTable(probe, 4096))
+    measured = Measured({0: F16})
+    limits = Limits(parse_level("rounding"), measured.table())
     assert limits.tolerance(10, 1) == 0.0  # nothing batched yet: a plain row is the target's own
     limits.max_batch(10)
     assert limits.tolerance(10, 4) == pytest.approx(0.03)
     assert limits.tolerance(20, 1) == pytest.approx(0.03)  # its KV came from that batch
-    assert math.isnan(Limits(parse_level("off"), DiffTable(probe, 4096)).tolerance(10, 4))
+    assert math.isnan(Limits(parse_level("off"), measured.table()).tolerance(10, 4))
+
+
+def test_a_reuse_difference_not_measured_is_assumed_large_and_asked_for():
+    """Near-ties on a reused cache are over-counted until the difference is measured, never
+    missed."""
+    asked = []
+    reuse = ReuseTable(lambda group: {1: 0.4}.get(group), asked.append, 4096)
+    limits = Limits(parse_level("rounding"), Measured({0: F16, 1: F16}).table())
+    limits.reuse = reuse
+    assert limits.tolerance(10, 1) == pytest.approx(2 * ASSUMED_REUSE_DIFF) and asked == [10]
+    assert limits.tolerance(300, 1) == pytest.approx(2 * 0.4)  # measured there
+    limits.reach(20)
+    assert any("assumed" in w for w in limits.waiting) and not reuse.known(20) and reuse.known(300)
 
 
 def test_near_tie_rule_on_synthetic_rows():
