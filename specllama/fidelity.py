@@ -24,7 +24,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Optional, TypeVar
 
 import numpy as np
 
@@ -120,6 +120,27 @@ class BatchDiffs:
                 "seconds": self.seconds, "verify_seconds": list(self.verify_seconds)}
 
 
+T = TypeVar("T")
+
+
+class Groups(dict[int, T]):
+    """Measurements per KV group: what this process measured, or what the on-disk cache holds
+    (cached(group)), read once per group so a round never reads the disk."""
+
+    def __init__(self, cached: Callable[[int], Optional[T]]):
+        super().__init__()
+        self._cached, self._not_cached = cached, set[int]()
+
+    def lookup(self, group: int) -> Optional[T]:
+        if group not in self and group not in self._not_cached:
+            found = self._cached(group)
+            if found is None:
+                self._not_cached.add(group)
+            else:
+                self[group] = found
+        return self.get(group)
+
+
 class DiffTable:
     """One target's BatchDiffs per KV group: what was measured, in this process or cached on
     disk (cached(group)). A group not measured yet is asked for through missing(n_past, bound),
@@ -128,19 +149,12 @@ class DiffTable:
 
     def __init__(self, cached: Callable[[int], Optional[BatchDiffs]], missing: Callable[[int, float], None],
                  n_ctx: int):
-        self._cached, self._missing = cached, missing
+        self._missing = missing
         self.n_ctx = n_ctx
-        self.groups: dict[int, BatchDiffs] = {}
-        self._not_cached: set[int] = set()  # looked up once: a round does not read the disk
+        self.groups: Groups[BatchDiffs] = Groups(cached)
 
     def known(self, group: int) -> Optional[BatchDiffs]:
-        if group not in self.groups and group not in self._not_cached:
-            found = self._cached(group)
-            if found is not None:
-                self.groups[group] = found
-            else:
-                self._not_cached.add(group)
-        return self.groups.get(group)
+        return self.groups.lookup(group)
 
     def get(self, n_past: int, bound: float) -> Optional[BatchDiffs]:
         """Measurements for a verify starting at n_past, or what is known of them."""
@@ -159,21 +173,14 @@ class ReuseTable:
     (NaN with measure=False)."""
 
     def __init__(self, cached: Callable[[int], Optional[float]], missing: Callable[[int], None], n_ctx: int):
-        self._cached, self._missing = cached, missing
+        self._missing = missing
         self.n_ctx = n_ctx
-        self.groups: dict[int, float] = {}
-        self._not_cached: set[int] = set()
+        self.groups: Groups[float] = Groups(cached)
 
     def get(self, n_past: int, measure: bool = True) -> float:
-        group = kv_group(kv_length(n_past + 1, self.n_ctx))
-        if group not in self.groups and group not in self._not_cached:
-            found = self._cached(group)
-            if found is not None:
-                self.groups[group] = found
-            else:
-                self._not_cached.add(group)
-        if group in self.groups:
-            return self.groups[group]
+        found = self.groups.lookup(kv_group(kv_length(n_past + 1, self.n_ctx)))
+        if found is not None:
+            return found
         if not measure:
             return math.nan
         self._missing(n_past)

@@ -21,9 +21,9 @@ from sse_starlette.sse import EventSourceResponse, ServerSentEvent
 from ..completions import Completion, generate_options, shaping_options, tool_setup
 from ..errors import InvalidParameterError, PromptTooLongError
 from ..messages import content_text
-from .app import Server, gone
+from .app import Server
 from .errors import ApiError, from_library
-from .jobs import ClientGone, Job
+from .jobs import Job
 
 log = logging.getLogger("specllama")
 
@@ -67,17 +67,9 @@ def add_routes(app: FastAPI, server: Server) -> None:
         llm = server.ready()
         server.check_model(body.model)
         turn = Turn.of(server, llm, body)
-        job = await server.run(request, turn.work, body.stream)
-        if body.stream:
-            if job is None:
-                return gone()
-            return EventSourceResponse(_events(server, request, job), ping=10,
-                                       ping_message_factory=lambda: ServerSentEvent(data='{"type": "ping"}',
-                                                                                     event="ping"))
-        try:
-            return await server.result(request, job)
-        except ClientGone:
-            return gone()
+        return await server.answer(request, turn.work, body.stream, lambda job: EventSourceResponse(
+            _events(server, request, job), ping=10,
+            ping_message_factory=lambda: ServerSentEvent(data='{"type": "ping"}', event="ping")))
 
     @app.post("/v1/messages/count_tokens")
     async def count_tokens(body: CountBody) -> dict:

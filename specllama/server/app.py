@@ -70,6 +70,20 @@ class Server:
             job.disconnect = disconnect
         return job
 
+    async def answer(self, request: Request, work: Callable[[Job], Any], stream: bool,
+                     events: Callable[[Job], Response]) -> Any:
+        """Run work in its turn and answer: events(job) for a stream, the job's result otherwise;
+        499 (nobody reads it) for a client that left, while waiting or while it ran."""
+        job = await self.run(request, work, stream)
+        if job is None:
+            return gone()
+        if stream:
+            return events(job)
+        try:
+            return await self.result(request, job)
+        except ClientGone:
+            return gone()
+
     async def result(self, request: Request, job: Optional[Job]) -> Any:
         """A non-streamed job's result, cancelled if its client leaves (ClientGone)."""
         if job is None:

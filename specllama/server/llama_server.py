@@ -13,9 +13,9 @@ from pydantic import BaseModel, ConfigDict
 from sse_starlette.sse import EventSourceResponse
 
 from ..completions import Completion, generate_options, timings
-from .app import Server, gone
+from .app import Server
 from .errors import ApiError, from_library
-from .jobs import ClientGone, Job
+from .jobs import Job
 
 PATHS = ("/tokenize", "/detokenize", "/infill")
 
@@ -71,15 +71,8 @@ def add_routes(app: FastAPI, server: Server) -> None:
     async def infill(body: InfillBody, request: Request) -> Any:
         llm = server.ready()
         completion = _infill(server, llm, body)
-        job = await server.run(request, lambda job: _work(server, completion, body.stream, job), body.stream)
-        if body.stream:
-            if job is None:
-                return gone()
-            return EventSourceResponse(_events(server, request, job))
-        try:
-            return await server.result(request, job)
-        except ClientGone:
-            return gone()
+        return await server.answer(request, lambda job: _work(server, completion, body.stream, job), body.stream,
+                                   lambda job: EventSourceResponse(_events(server, request, job)))
 
 
 def _piece(data: bytes) -> Union[str, list[int]]:

@@ -23,9 +23,9 @@ from sse_starlette.sse import EventSourceResponse
 from ..completions import (IGNORED, NEUTRAL, Completion, chat_logprobs, check_supported, generate_options,
                            shaping_options, timings, tool_setup)
 from ..errors import InvalidParameterError
-from .app import Server, gone
+from .app import Server
 from .errors import ApiError, from_library
-from .jobs import ClientGone, Job
+from .jobs import Job
 
 log = logging.getLogger("specllama")
 
@@ -96,15 +96,8 @@ async def respond(server: Server, request: Request, body: _Body, chat: bool) -> 
         raise
     except Exception as e:
         raise from_library(e, param="messages" if chat else "prompt") from None
-    job = await server.run(request, plan.work, body.stream)
-    if body.stream:
-        if job is None:
-            return gone()
-        return EventSourceResponse(_events(server, request, job, plan), ping=15)
-    try:
-        return await server.result(request, job)
-    except ClientGone:
-        return gone()
+    return await server.answer(request, plan.work, body.stream,
+                               lambda job: EventSourceResponse(_events(server, request, job, plan), ping=15))
 
 
 async def _events(server: Server, request: Request, job: Job, plan: "Plan") -> AsyncIterator[str]:

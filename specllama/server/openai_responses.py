@@ -24,9 +24,9 @@ from ..completions import Completion, generate_options, shaping_options, tool_se
 from ..errors import InvalidParameterError
 from ..messages import content_text
 from .anthropic_messages import deltas
-from .app import Server, gone
+from .app import Server
 from .errors import ApiError, from_library
-from .jobs import ClientGone, Job
+from .jobs import Job
 
 log = logging.getLogger("specllama")
 
@@ -61,15 +61,8 @@ def add_routes(app: FastAPI, server: Server) -> None:
         llm = server.ready()
         server.check_model(body.model)
         reply = Reply.of(server, llm, body)
-        job = await server.run(request, reply.work, body.stream)
-        if body.stream:
-            if job is None:
-                return gone()
-            return EventSourceResponse(_events(server, request, job), ping=15)
-        try:
-            return await server.result(request, job)
-        except ClientGone:
-            return gone()
+        return await server.answer(request, reply.work, body.stream,
+                                   lambda job: EventSourceResponse(_events(server, request, job), ping=15))
 
 
 def translate(body: ResponsesBody) -> tuple[list[dict], Optional[list[dict]], Any]:
