@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from collections.abc import Generator, Iterator, Sequence
@@ -14,12 +15,12 @@ from .compat import VocabInfo, check_compatible
 from .constraints import Constraint, Grammar, Penalties, check_logit_bias, grammar_source
 from .controller import Costs
 from .decode import Decoding, generate_steps
-from .errors import BusyError, ClosedError, EmptyPromptError, InvalidParameterError, PromptTooLongError
+from .errors import BusyError, ClosedError, InvalidParameterError
 from .fidelity import Limits, parse_level
-from .idle import IdleWork
+from .idle import PROCESS, IdleWork
 from .llama_api import LlamaApi
 from .messages import normalize as normalize_messages
-from .options import GenerateOptions, check_n_draft, check_tree
+from .options import GenerateOptions, Prompt, check_n_draft, check_tree, prompt_tokens
 from .planner import Planner, Request
 from .prompt_cache import Budget, PromptCache
 from .runtime.ggml import resident_bytes
@@ -29,7 +30,6 @@ from .stats import Stats
 from .streams import Chunk, Result, Stream
 from .text import Detokenizer, StopMatcher
 
-Prompt = Union[str, Sequence[int]]
 # saved prompt-cache states in RAM, target and draft together: a few conversations of a few
 # thousand tokens for models of a few billion parameters (Qwen2.5-1.5B: 28 KiB a token at f16)
 PROMPT_CACHE_MB = 1024
@@ -45,7 +45,7 @@ class SpecLlama(LlamaApi):
     def __init__(self, target: Model, draft: Optional[Drafter] = None, *, n_draft: Union[int, str] = "auto",
                  exact: Union[str, float, bool] = "rounding", lookup: Optional[bool] = None,
                  prompt_cache_mb: float = PROMPT_CACHE_MB, tree: Union[int, str, bool] = "auto",
-                 idle_work: bool = True):
+                 idle_work: Optional[bool] = None):
         self.target, self.draft = target, draft
         self.n_draft = check_n_draft(n_draft)
         self.tree = self._check_tree(tree)
@@ -69,11 +69,13 @@ class SpecLlama(LlamaApi):
         self.draft_cache = PromptCache(cast(Model, draft), self.prompt_cache_budget) \
             if draft is not None and not self.mtp else None
         # measurements a request found missing, run while no generation runs (idle.py)
+        if idle_work is None:  # SPECLLAMA_IDLE_WORK=0 turns the thread off for a whole process tree
+            idle_work = os.environ.get("SPECLLAMA_IDLE_WORK", "1") != "0"
         self.idle = IdleWork(self._models, lambda: self._generating or self._closed, start=idle_work)
         self.planner = Planner(target, draft, lookup, self._stash, self.idle, self.draft_cache)
         self.batch_diffs, self.reuse_diffs = self.planner.batch_diffs, self.planner.reuse_diffs
         if self.speculates:
-            with self._models:
+            with self._models, PROCESS.busy():
                 self.planner.measure_short((self.level,))
                 self.planner.check_cached_costs()
 
@@ -170,7 +172,7 @@ class SpecLlama(LlamaApi):
         active = self._active
         if active is not None:
             active.close()
-        with self._models:  # whatever still generates has ended
+        with self._models, PROCESS.busy():  # whatever still generates has ended
             self.prompt_cache_budget.entries.clear()
             for runtime in (self.draft, self.target):
                 if runtime is not None:
@@ -195,30 +197,7 @@ class SpecLlama(LlamaApi):
 
     def _prompt_tokens(self, prompt: Prompt) -> list[int]:
         self._check_open()
-        if isinstance(prompt, str):
-            try:
-                prompt.encode("utf-8")
-            except UnicodeEncodeError as e:
-                raise InvalidParameterError("prompt", prompt[max(0, e.start - 10):e.end + 10],
-                                            "valid Unicode text (it holds an unpaired surrogate, "
-                                            "e.g. from undecodable bytes)") from None
-            tokens = self.tokenize(prompt) if prompt else []
-        elif isinstance(prompt, Sequence) and not isinstance(prompt, (bytes, bytearray)):
-            tokens = list(cast(Sequence[int], prompt))
-            bad = [t for t in tokens if isinstance(t, bool) or not isinstance(t, (int, np.integer))
-                   or not 0 <= t < self.target.n_vocab]
-            if bad:
-                raise InvalidParameterError("prompt", bad[0], f"text, or token ids in 0..{self.target.n_vocab - 1}")
-            tokens = [int(t) for t in tokens]
-        else:
-            raise InvalidParameterError("prompt", prompt, "a string or a list of token ids")
-        if not tokens:
-            raise EmptyPromptError("the prompt is empty: give some text or at least one token id")
-        if len(tokens) > self.target.n_ctx:
-            raise PromptTooLongError(
-                f"the prompt has {len(tokens)} tokens but the context holds {self.target.n_ctx}; "
-                "shorten the prompt or load with a larger n_ctx", len(tokens), self.target.n_ctx)
-        return tokens
+        return prompt_tokens(prompt, self.tokenize, self.target.n_vocab, self.target.n_ctx)
 
     def _request(self, prompt: list[int], o: GenerateOptions) -> Request:
         sampling = SamplingSettings(temperature=o.temperature, top_k=o.top_k, top_p=o.top_p, min_p=o.min_p)
@@ -263,7 +242,7 @@ class SpecLlama(LlamaApi):
                                 "is still open); finish or close() that stream first")
             self._generating = True
         try:
-            with self._models:  # a step of idle work in progress ends at its next decode
+            with self._models, PROCESS.busy():  # idle work in progress ends at its next decode
                 self._active = stream
                 try:
                     self._check_open()  # closed while it waited to start

@@ -15,13 +15,59 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Optional
 
 log = logging.getLogger("specllama")
 
 GRACE_SECONDS = 0.5  # idle this long after a generation before work starts
+
+
+class _Process:
+    """llama.cpp work in this process: loads, generations and explicit measurements run side by
+    side as before, and idle work (any SpecLlama's) runs only while none of them does. Two
+    objects' idle threads decoding while a third model loaded crashed llama.cpp (a segfault in
+    llama_decode during llama_model_load), so idle work is exclusive process-wide and yields
+    to any of them at its next decode."""
+
+    def __init__(self) -> None:
+        self._cv = threading.Condition()
+        self._n_active = 0  # loads and generations running or waiting
+        self._idle = False  # one object's idle work is running
+
+    @contextmanager
+    def busy(self) -> Iterator[None]:
+        """Around a load, a generation, warm_up(), close(): idle work anywhere ends first."""
+        with self._cv:
+            self._n_active += 1
+            while self._idle:
+                self._cv.wait()
+        try:
+            yield
+        finally:
+            with self._cv:
+                self._n_active -= 1
+                self._cv.notify_all()
+
+    def try_idle(self) -> bool:
+        with self._cv:
+            if self._n_active or self._idle:
+                return False
+            self._idle = True
+            return True
+
+    def end_idle(self) -> None:
+        with self._cv:
+            self._idle = False
+            self._cv.notify_all()
+
+    def wanted(self) -> bool:
+        return self._n_active > 0
+
+
+PROCESS = _Process()
 
 
 class Preempted(Exception):
@@ -87,7 +133,7 @@ class IdleWork:
         """Run every queued task that can run, now, in this thread; what ran."""
         ran: list[str] = []
         while (task := self._first_ready(set(ran))) is not None:
-            with self._models:
+            with self._models, PROCESS.busy():
                 if not self._run(task, lambda: False):
                     break
             ran.append(task.key)
@@ -127,8 +173,14 @@ class IdleWork:
                 self.busy()
                 continue
             try:
-                if not self._wanted():
-                    self._run(task, self._wanted)
+                if not PROCESS.try_idle():
+                    self.busy()
+                    continue
+                try:
+                    if not self._wanted():
+                        self._run(task, lambda: self._wanted() or PROCESS.wanted())
+                finally:
+                    PROCESS.end_idle()
             finally:
                 self._models.release()
 

@@ -11,6 +11,7 @@ from typing import Any, Optional, Union
 from .doctor import offload_note
 from .draft_select import MTP
 from .engine import PROMPT_CACHE_MB, SpecLlama, check_cache_mb
+from .idle import PROCESS
 from .errors import InvalidParameterError
 from .fidelity import parse_level
 from .limits import TREE_BRANCHES
@@ -31,7 +32,7 @@ _TARGET_ONLY = ("rpc", "tensor_split", "rollback")
 def load(target: Any, draft: Any = None, *, n_draft: Union[int, str] = "auto",
          exact: Union[str, float, bool] = "rounding",
          lookup: Optional[bool] = None, check_memory: bool = True, prompt_cache_mb: float = PROMPT_CACHE_MB,
-         tree: Union[int, str, bool] = "auto", idle_work: bool = True, **model_settings: Any) -> SpecLlama:
+         tree: Union[int, str, bool] = "auto", idle_work: Optional[bool] = None, **model_settings: Any) -> SpecLlama:
     """Load a target model and an optional draft of the same family.
 
     Args:
@@ -56,7 +57,8 @@ def load(target: Any, draft: Any = None, *, n_draft: Union[int, str] = "auto",
             MemoryPlanError (with ways out) before loading when it exceeds what is available.
         idle_work: measurements a request found missing (verify limits at a new KV length,
             decode costs, the reuse difference) and the draft catching up with a conversation
-            run in a background thread while no generation runs; False: only in warm_up().
+            run in a background thread while no generation runs; False: only in warm_up(); None
+            (the default): on, unless the environment has SPECLLAMA_IDLE_WORK=0.
         exact: the fidelity level: "bitwise", "rounding" (default), "off", a bound in logits,
             or True/False for "bitwise"/"off" (see fidelity.py).
         **model_settings: ModelSettings' fields for both models (n_ctx, n_batch, n_threads,
@@ -110,17 +112,18 @@ def load(target: Any, draft: Any = None, *, n_draft: Union[int, str] = "auto",
         if mtp and (target_host is not None or not _is_ref(target)):
             raise InvalidParameterError("draft", draft, "used with a GGUF path or Hub reference on this machine; "
                                         "a llama_cpp.Llama or a target on RPC workers cannot load its MTP layers")
-        target_rt = target_host.load(target) if target_host else \
-            open_runtime(target, target_settings, mtp=mtp, n_branches=TREE_BRANCHES)
-        opened.append(target_rt)
-        draft_rt = None
-        if mtp:  # a local Runtime (checked above), which may carry its MTP layers
-            draft_rt = target_rt.mtp_head
-            if draft_rt is None:
-                log.warning("%s: %s; decoding without a draft", target_rt.name, target_rt.mtp_note)
-        elif draft is not None:
-            draft_rt = draft_host.load(draft) if draft_host else open_runtime(draft, draft_settings)
-            opened.append(draft_rt)
+        with PROCESS.busy():  # no idle work of another SpecLlama decodes while llama.cpp loads
+            target_rt = target_host.load(target) if target_host else \
+                open_runtime(target, target_settings, mtp=mtp, n_branches=TREE_BRANCHES)
+            opened.append(target_rt)
+            draft_rt = None
+            if mtp:  # a local Runtime (checked above), which may carry its MTP layers
+                draft_rt = target_rt.mtp_head
+                if draft_rt is None:
+                    log.warning("%s: %s; decoding without a draft", target_rt.name, target_rt.mtp_note)
+            elif draft is not None:
+                draft_rt = draft_host.load(draft) if draft_host else open_runtime(draft, draft_settings)
+                opened.append(draft_rt)
         return SpecLlama(target_rt, draft_rt, n_draft=n_draft, exact=exact, lookup=lookup,
                          prompt_cache_mb=prompt_cache_mb, tree=tree, idle_work=idle_work)
     except BaseException:

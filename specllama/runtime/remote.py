@@ -17,6 +17,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Sequence
 from multiprocessing.connection import Pipe
@@ -278,8 +279,15 @@ class _Host:
                                       stderr=self._log, start_new_session=True, env=env)
         child.close()
         self._conn = parent
+        # one request and its reply at a time: tokenize() from a request's thread must not
+        # interleave on the pipe with the idle thread's probe
+        self._turn = threading.RLock()
 
     def call(self, op: str, *args: Any, timeout: Optional[float] = None) -> Any:
+        with self._turn:
+            return self._call(op, *args, timeout=timeout)
+
+    def _call(self, op: str, *args: Any, timeout: Optional[float] = None) -> Any:
         if self.closed is not None:
             raise RpcError(self.closed, self.endpoints)
         try:
