@@ -11,7 +11,7 @@ from .errors import InvalidParameterError
 from .fim import fim_prompt
 
 if TYPE_CHECKING:
-    from .engine import Prompt
+    from .options import Prompt
 
 
 class LlamaApi:

@@ -1,14 +1,17 @@
 """The options of one generation, in one dataclass: generate() and stream() take them as
 keywords, the llama-cpp-python methods, the server's translators and the CLI build them, so a
 new option is added here once. What needs the model (token ids, grammars) is checked when a
-generation starts (engine.SpecLlama._request)."""
+generation starts (engine.SpecLlama._request); a prompt is checked by prompt_tokens()."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, fields
-from typing import Any, Optional, Union
+from typing import Any, Optional, Union, cast
 
-from .errors import InvalidParameterError
+import numpy as np
+
+from .errors import EmptyPromptError, InvalidParameterError, PromptTooLongError
 from .limits import MAX_N_DRAFT, TREE_BRANCHES
 
 
@@ -103,3 +106,33 @@ def check_tree(tree: Any) -> Union[int, str]:
         raise InvalidParameterError("tree", tree, f'"auto" (default), 1 for chains only, or the candidates '
                                     f"to verify per position, 2..{TREE_BRANCHES}")
     return tree
+
+
+Prompt = Union[str, Sequence[int]]
+
+
+def prompt_tokens(prompt: Prompt, tokenize: Any, n_vocab: int, n_ctx: int) -> list[int]:
+    """A prompt's tokens, checked: text (valid Unicode) or token ids in the vocabulary, not
+    empty, and fitting the context; a typed error naming what is wrong otherwise."""
+    if isinstance(prompt, str):
+        try:
+            prompt.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise InvalidParameterError("prompt", prompt[max(0, e.start - 10):e.end + 10],
+                                        "valid Unicode text (it holds an unpaired surrogate, "
+                                        "e.g. from undecodable bytes)") from None
+        tokens = tokenize(prompt) if prompt else []
+    elif isinstance(prompt, Sequence) and not isinstance(prompt, (bytes, bytearray)):
+        tokens = list(cast(Sequence[int], prompt))
+        bad = [t for t in tokens if isinstance(t, bool) or not isinstance(t, (int, np.integer)) or not 0 <= t < n_vocab]
+        if bad:
+            raise InvalidParameterError("prompt", bad[0], f"text, or token ids in 0..{n_vocab - 1}")
+        tokens = [int(t) for t in tokens]
+    else:
+        raise InvalidParameterError("prompt", prompt, "a string or a list of token ids")
+    if not tokens:
+        raise EmptyPromptError("the prompt is empty: give some text or at least one token id")
+    if len(tokens) > n_ctx:
+        raise PromptTooLongError(f"the prompt has {len(tokens)} tokens but the context holds {n_ctx}; shorten the "
+                                 "prompt or load with a larger n_ctx", len(tokens), n_ctx)
+    return tokens
