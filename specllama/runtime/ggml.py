@@ -7,8 +7,11 @@ functions needed are bound here with ctypes.
 from __future__ import annotations
 
 import ctypes
+import signal
 import sys
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -70,6 +73,22 @@ class _LogSink:
         except BaseException as e:  # the interrupt may land here too
             self.interrupt = e
             return False
+
+    @contextmanager
+    def deferring(self) -> Iterator[None]:
+        """Around a long llama.cpp call (in the main thread): Ctrl-C is only noted, by a handler
+        that raises nothing, since a KeyboardInterrupt raised as a callback starts, before its
+        try, is printed and dropped by ctypes (a Ctrl-C at 1.5 s into a load was lost that way);
+        the progress callback then stops the load and raise_interrupt() raises it."""
+        if threading.current_thread() is not threading.main_thread() or \
+                signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
+            yield
+            return
+        previous = signal.signal(signal.SIGINT, lambda signum, frame: setattr(self, "interrupt", KeyboardInterrupt()))
+        try:
+            yield
+        finally:
+            signal.signal(signal.SIGINT, previous)
 
     def raise_interrupt(self) -> None:
         """Raise a Ctrl-C that arrived inside a llama.cpp call, once that call has returned."""

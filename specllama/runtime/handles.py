@@ -69,7 +69,8 @@ def load_model(path: Path, settings: ModelSettings, stack: ExitStack, mtp: bool 
     params.load_mode = llama_cpp.LLAMA_LOAD_MODE_MMAP if settings.use_mmap else llama_cpp.LLAMA_LOAD_MODE_NONE
     progress = llama_cpp.llama_progress_callback(LOG_SINK.keep_loading)
     params.progress_callback = progress
-    ptr = llama_cpp.llama_model_load_from_file(str(path).encode("utf-8"), params)
+    with LOG_SINK.deferring():
+        ptr = llama_cpp.llama_model_load_from_file(str(path).encode("utf-8"), params)
     LOG_SINK.raise_interrupt()
     if not ptr:
         raise InvalidModelFileError(
@@ -103,7 +104,8 @@ def new_context(model: Handle, settings: ModelSettings, stack: ExitStack, *, mtp
     params.no_perf = True
     if recurrent and settings.rollback in (None, "n_rs_seq") and not mtp:
         params.n_rs_seq = N_RS_SEQ  # llama.cpp grants 0 to architectures without snapshots
-    ptr = llama_cpp.llama_init_from_model(model.ptr, params)
+    with LOG_SINK.deferring():
+        ptr = llama_cpp.llama_init_from_model(model.ptr, params)
     LOG_SINK.raise_interrupt()
     if not ptr:
         raise InvalidParameterError(
