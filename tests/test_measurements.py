@@ -74,7 +74,7 @@ def test_a_request_at_a_kv_length_never_measured_runs_no_probe(model_paths, home
     monkeypatch.setattr(calibrate, "probe_batch_diffs", counted)
     prompt = LONG_STORY + "Continue the story."
     expected = plain.generate(prompt, max_tokens=40).tokens
-    with load(model_paths, exact="bitwise") as llm:
+    with load(model_paths, exact="bitwise", idle_work=True) as llm:
         llm.warm_up()  # the short context and the costs, as a server does after loading
         probes.clear()
         t0 = time.monotonic()
@@ -93,7 +93,7 @@ def test_a_request_at_a_kv_length_never_measured_runs_no_probe(model_paths, home
 
 def test_a_request_preempts_idle_work_in_progress(model_paths, home):
     """A request arriving while a probe runs waits one decode at most, not the whole probe."""
-    with load(model_paths) as llm:
+    with load(model_paths, idle_work=True) as llm:
         llm.generate(LONG_STORY + "Continue the story.", max_tokens=4)  # queues the limits at its KV length
         deadline = time.monotonic() + 30
         while not llm.idle.pending() and time.monotonic() < deadline:

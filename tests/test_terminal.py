@@ -67,7 +67,9 @@ def test_a_status_drawn_after_a_full_width_line_leaves_the_line_whole():
     import struct
     import termios
 
-    from specllama.cli.screen import Screen, advance
+    from specllama.cli.screen import NOTES, Screen, advance
+
+    NOTES.take()  # log lines earlier tests of this process left for a screen to show
 
     assert advance(0, "a" * COLS, COLS) == COLS and advance(COLS, " b", COLS) == 2
     assert advance(COLS - 1, "漢", COLS) == 2 and advance(3, "x\n", COLS) == 0
@@ -97,7 +99,8 @@ def test_a_status_drawn_after_a_full_width_line_leaves_the_line_whole():
 
 
 def test_chat_shows_one_time_notes_between_turns_not_inside_answers(model_paths, pair, tmp_path):
-    env = {"SPECLLAMA_HOME": str(tmp_path)}  # a fresh machine: the first turns trigger one-time measurements
+    # a fresh machine: the first turns trigger one-time measurements, run while the person types
+    env = {"SPECLLAMA_HOME": str(tmp_path), "SPECLLAMA_IDLE_WORK": "1"}
     questions = ["Name three primary colors, one per line.", "And three secondary colors, one per line?"]
     child = pexpect.spawn(sys.executable, ["-m", "specllama", "chat", *model_args(model_paths), "--max-tokens", "40",
                                            "-v"], encoding="utf-8", timeout=300, dimensions=(200, 200),
