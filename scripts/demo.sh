@@ -19,7 +19,7 @@ def checkout(cart, tax_rate):
     return total"
 if ! command -v nvidia-smi >/dev/null 2>&1 && [ "$(uname -s)/$(uname -m)" != Darwin/arm64 ]; then
   echo "demo: no GPU here. On a CPU the target is compute-bound: a verify pass of several tokens costs more" >&2
-  echo "demo: than one, so expect code within noise of plain decoding and the edit faster (prompt lookup" >&2
+  echo "demo: than one, so expect code at or a little below plain decoding's speed and the edit faster (prompt lookup" >&2
   echo "demo: copies from the input). On a GPU or Apple Silicon the draft pays on code too." >&2
 fi
 echo "== code, speculative then plain ==" >&2
