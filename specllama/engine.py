@@ -3,19 +3,20 @@
 from __future__ import annotations
 
 import os
-import threading
+import logging
 import time
 from collections.abc import Generator, Iterator, Sequence
-from contextlib import AbstractContextManager, contextmanager
+from contextlib import AbstractContextManager
 from typing import Any, Optional, Union, cast
 
 import numpy as np
 
+from .batch import BatchApi
 from .compat import VocabInfo, check_compatible
 from .constraints import Constraint, Grammar, Penalties, check_logit_bias, grammar_source
 from .controller import Costs
 from .decode import Decoding, generate_steps
-from .errors import BusyError, ClosedError, InvalidParameterError
+from .errors import ClosedError, InvalidParameterError
 from .fidelity import Limits, parse_level
 from .idle import PROCESS, IdleWork
 from .llama_api import LlamaApi
@@ -26,16 +27,23 @@ from .prompt_cache import Budget, PromptCache
 from .runtime.ggml import resident_bytes
 from .runtime.protocols import Drafter, Model
 from .sampling import SamplingSettings
+from .slots import Pool, Slot, Slots, why_single
 from .stats import Stats
 from .streams import Chunk, Result, Stream
 from .text import Detokenizer, StopMatcher
 
+log = logging.getLogger("specllama")
+
 # saved prompt-cache states in RAM, target and draft together: a few conversations of a few
 # thousand tokens for models of a few billion parameters (Qwen2.5-1.5B: 28 KiB a token at f16)
 PROMPT_CACHE_MB = 1024
+# requests decoding side by side, as llama-server's 4 slots: each beyond the first gets contexts
+# of its own (KV cache and compute buffers, not the weights), made when it is first needed
+N_PARALLEL = 4
+MAX_PARALLEL = 64
 
 
-class SpecLlama(LlamaApi):
+class SpecLlama(LlamaApi, BatchApi):
     """A target model, optionally with a draft model that speculates for it.
 
     Greedy output is token-for-token the target's own; sampled output has the target's
@@ -45,7 +53,7 @@ class SpecLlama(LlamaApi):
     def __init__(self, target: Model, draft: Optional[Drafter] = None, *, n_draft: Union[int, str] = "auto",
                  exact: Union[str, float, bool] = "rounding", lookup: Optional[bool] = None,
                  prompt_cache_mb: float = PROMPT_CACHE_MB, tree: Union[int, str, bool] = "auto",
-                 idle_work: Optional[bool] = None):
+                 idle_work: Optional[bool] = None, n_parallel: int = N_PARALLEL):
         self.target, self.draft = target, draft
         self.n_draft = check_n_draft(n_draft)
         self.tree = self._check_tree(tree)
@@ -53,12 +61,7 @@ class SpecLlama(LlamaApi):
         if lookup is not None and not isinstance(lookup, bool):
             raise InvalidParameterError("lookup", lookup, "True, False or None (beside a draft model in auto mode)")
         self.lookup = lookup
-        # whoever uses the models holds this: a generation, or a step of idle work
-        self._models = threading.Lock()
-        self._generating = False  # one generation at a time (a second gets BusyError)
-        self._state = threading.Lock()
         self._closed = False
-        self._active: Optional[Stream] = None  # the stream generating now, ended by close()
         # the draft: a second model, or the target's own MTP layers (the same vocabulary)
         self.mtp = draft is not None and draft.follows_target
         if draft is not None and not self.mtp:
@@ -71,7 +74,15 @@ class SpecLlama(LlamaApi):
         # measurements a request found missing, run while no generation runs (idle.py)
         if idle_work is None:  # SPECLLAMA_IDLE_WORK=0 turns the thread off for a whole process tree
             idle_work = os.environ.get("SPECLLAMA_IDLE_WORK", "1") != "0"
-        self.idle = IdleWork(self._models, lambda: self._generating or self._closed, start=idle_work)
+        # requests decode side by side, each in a slot of its own; their rounds take turns
+        note = why_single(target, draft)
+        slots = Slots(Slot(0, target, draft, self.target_cache, self.draft_cache),
+                      check_n_parallel(n_parallel) if not note else 1, self.prompt_cache_budget, note)
+        if note and n_parallel > 1:
+            log.info("%s: requests decode one at a time: %s", target.name, note)
+        self.pool = Pool(slots, lambda: self.idle.busy())
+        self._models = self.pool.turn  # whoever decodes holds it: a generation's round, or idle work
+        self.idle = IdleWork(self._models, lambda: self.pool.n_generating > 0 or self._closed, start=idle_work)
         self.planner = Planner(target, draft, lookup, self._stash, self.idle, self.draft_cache)
         self.batch_diffs, self.reuse_diffs = self.planner.batch_diffs, self.planner.reuse_diffs
         if self.speculates:
@@ -169,11 +180,11 @@ class SpecLlama(LlamaApi):
             return
         self._closed = True  # a new generation now raises ClosedError, idle work stops
         self.idle.close()
-        active = self._active
-        if active is not None:
-            active.close()
+        self._stop_workers()
+        self.pool.end_all()
         with self._models, PROCESS.busy():  # whatever still generates has ended
             self.prompt_cache_budget.entries.clear()
+            self.pool.slots.close_more()  # their contexts before the models they share
             for runtime in (self.draft, self.target):
                 if runtime is not None:
                     runtime.close()
@@ -231,41 +242,20 @@ class SpecLlama(LlamaApi):
     def exclusive(self) -> "AbstractContextManager[None]":
         """The models to the caller alone, for measuring them directly (calibrate, doctor): idle
         work in progress ends at its next decode, and a generation meanwhile gets BusyError."""
-        return self._exclusive(None)
-
-    @contextmanager
-    def _exclusive(self, stream: Optional[Stream]) -> Iterator[None]:
         self._check_open()
-        with self._state:
-            if self._generating:
-                raise BusyError("this SpecLlama is already generating (another thread, or a stream that "
-                                "is still open); finish or close() that stream first")
-            self._generating = True
-        try:
-            with self._models, PROCESS.busy():  # idle work in progress ends at its next decode
-                self._active = stream
-                try:
-                    self._check_open()  # closed while it waited to start
-                    yield
-                finally:
-                    self._active = None
-        finally:
-            self._generating = False
-            self.idle.busy()
+        return self.pool.exclusive()
 
     def _run(self, req: Request, stream: Stream) -> Generator[Chunk, None, None]:
         tokens: list[int] = []
         texts: list[str] = []
         finish = "cancelled"
-        with self._exclusive(stream):
-            # inside the lock: the first "auto" policy calibrates, which decodes on the target;
-            # that one-time measurement is not part of this generation's timings
-            proposer, policy = self.planner.plan(req, self.draft_cache)
+        with self.pool.generation(stream, req.prompt, self._check_open) as slot:
+            proposer, policy = self.planner.plan(req, slot.draft_cache, slot.draft)
             t_start = time.perf_counter()
             stats = Stats(n_prompt=len(req.prompt), n_draft_max=policy.limit if proposer is not None else 0,
                           fidelity=str(req.level), rollback=self.target.rollback,
                           draft_source="mtp" if self.mtp else "model" if self.draft is not None else "")
-            n_replayed = self.target.n_replayed
+            n_replayed = slot.target.n_replayed
             stream.stats = stats
             limits = Limits(req.level, self.batch_diffs)
             steps: Optional[Generator[Any, None, None]] = None
@@ -275,30 +265,35 @@ class SpecLlama(LlamaApi):
                 # computes bit for bit; otherwise all that matches, and the rows carry the
                 # measured difference of reuse (an assumed one until measured) into the
                 # near-tie tolerance
-                reuse = self.target_cache.prefill(req.prompt, canonical=req.level.bound == 0 or req.seeded)
+                with self._models:
+                    reuse = slot.target_cache.prefill(req.prompt, canonical=req.level.bound == 0 or req.seeded)
                 stats.t_prefill = time.perf_counter() - t_start
                 stats.n_prompt_cached, stats.prompt_cache, stats.prompt_cache_exact = \
                     reuse.n_reused, reuse.source, reuse.exact
                 if not reuse.exact:
                     limits.reuse = self.reuse_diffs
-                steps = generate_steps(Decoding(self.target, proposer, policy, req.sampling,
+                steps = generate_steps(Decoding(slot.target, proposer, policy, req.sampling,
                                                 np.random.default_rng(req.seed), limits, stats, req.constraint,
                                                 req.n_logprobs), req.prompt)
                 finish = "length"  # running out of context also ends here, and an error mid-way
-                finish = yield from self._emit(steps, req, stream, tokens, texts, detokenizer, matcher)
+                finish = yield from self._emit(_in_turns(steps, self._models), req, stream, tokens, texts, detokenizer,
+                                               matcher)
             except GeneratorExit:
                 finish = "cancelled"
                 raise
             finally:
                 if steps is not None:
-                    steps.close()
+                    with self._models:  # the rollback of an interrupted round decodes
+                        steps.close()
                 _finish_stats(stats, req, tokens, finish, matcher.stopped, limits, policy, t_start,
-                              self.target.n_replayed - n_replayed, self.target, self.draft)
+                              slot.target.n_replayed - n_replayed, self.target, self.draft)
+                stats.slot = slot.index
                 if req.n_draft == "auto" and self.speculates and self.planner.costs() is None:
                     stats.measurements_pending.append("the decode costs")
                 stream.result = Result("".join(texts), tokens, finish, stats, matcher.matched)
                 self.planner.learned(policy)
-                self.planner.want_catch_up()
+                if slot.index == 0:  # the planner measures on the first slot's contexts
+                    self.planner.want_catch_up()
 
     def _emit(self, steps: Iterator[Any], req: Request, stream: Stream, tokens: list[int], texts: list[str],
               detokenizer: Detokenizer, matcher: StopMatcher) -> Generator[Chunk, None, str]:
@@ -351,6 +346,24 @@ def _keep_near_ties(stats: Stats, n_decided: int, sampling: SamplingSettings) ->
     stats.near_tie_positions = [p for p in stats.near_tie_positions if p < n_decided]
     if stats.near_ties is not None:
         stats.near_ties = len(stats.near_tie_positions)
+
+
+def _in_turns(steps: Iterator[Any], turn: Any) -> Iterator[Any]:
+    """steps, each one computed in the models' turn (the other slots' rounds wait for it, and
+    this one waits for theirs): between steps, nothing is held."""
+    while True:
+        with turn:
+            step = next(steps, None)
+        if step is None:
+            return
+        yield step
+
+
+def check_n_parallel(value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_PARALLEL:
+        raise InvalidParameterError("n_parallel", value, f"an integer 1..{MAX_PARALLEL}: how many requests may "
+                                    "decode side by side, each in contexts of its own")
+    return value
 
 
 def _empty() -> Generator[Chunk, None, None]:

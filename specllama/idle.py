@@ -18,7 +18,7 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Optional
 
 log = logging.getLogger("specllama")
 
@@ -99,7 +99,7 @@ class IdleWork:
 
     MAX_TRIES = 20  # a task preempted this often is left for warm_up()
 
-    def __init__(self, models: threading.Lock, wanted: Callable[[], bool], start: bool = True):
+    def __init__(self, models: Any, wanted: Callable[[], bool], start: bool = True):
         self._models, self._wanted = models, wanted
         self._tasks: dict[str, Task] = {}
         self._cv = threading.Condition()

@@ -10,7 +10,7 @@ from typing import Any, Optional, Union
 
 from .doctor import offload_note
 from .draft_select import MTP
-from .engine import PROMPT_CACHE_MB, SpecLlama, check_cache_mb
+from .engine import N_PARALLEL, PROMPT_CACHE_MB, SpecLlama, check_cache_mb, check_n_parallel
 from .idle import PROCESS
 from .errors import InvalidParameterError
 from .fidelity import parse_level
@@ -32,7 +32,8 @@ _TARGET_ONLY = ("rpc", "tensor_split", "rollback")
 def load(target: Any, draft: Any = None, *, n_draft: Union[int, str] = "auto",
          exact: Union[str, float, bool] = "rounding",
          lookup: Optional[bool] = None, check_memory: bool = True, prompt_cache_mb: float = PROMPT_CACHE_MB,
-         tree: Union[int, str, bool] = "auto", idle_work: Optional[bool] = None, **model_settings: Any) -> SpecLlama:
+         tree: Union[int, str, bool] = "auto", idle_work: Optional[bool] = None, n_parallel: int = N_PARALLEL,
+         **model_settings: Any) -> SpecLlama:
     """Load a target model and an optional draft of the same family.
 
     Args:
@@ -59,6 +60,10 @@ def load(target: Any, draft: Any = None, *, n_draft: Union[int, str] = "auto",
             decode costs, the reuse difference) and the draft catching up with a conversation
             run in a background thread while no generation runs; False: only in warm_up(); None
             (the default): on, unless the environment has SPECLLAMA_IDLE_WORK=0.
+        n_parallel: how many requests may decode side by side (default 4, as llama-server's
+            slots), each in contexts of its own on the shared weights, made when first needed
+            (a KV cache and compute buffers each); their rounds take turns, so each request's
+            output is the one it has alone. Further requests wait for a free slot.
         exact: the fidelity level: "bitwise", "rounding" (default), "off", a bound in logits,
             or True/False for "bitwise"/"off" (see fidelity.py).
         **model_settings: ModelSettings' fields for both models (n_ctx, n_batch, n_threads,
@@ -80,6 +85,7 @@ def load(target: Any, draft: Any = None, *, n_draft: Union[int, str] = "auto",
     check_n_draft(n_draft)
     parse_level(exact)
     check_cache_mb(prompt_cache_mb)
+    check_n_parallel(n_parallel)
     if draft == "ngram":
         draft, lookup = None, True
     target_settings, draft_settings = ModelSettings(**target_kw), ModelSettings(**draft_kw)
@@ -125,7 +131,8 @@ def load(target: Any, draft: Any = None, *, n_draft: Union[int, str] = "auto",
                 draft_rt = draft_host.load(draft) if draft_host else open_runtime(draft, draft_settings)
                 opened.append(draft_rt)
         return SpecLlama(target_rt, draft_rt, n_draft=n_draft, exact=exact, lookup=lookup,
-                         prompt_cache_mb=prompt_cache_mb, tree=tree, idle_work=idle_work)
+                         prompt_cache_mb=prompt_cache_mb, tree=tree, idle_work=idle_work,
+                         n_parallel=n_parallel)
     except BaseException:
         for handle in reversed(opened):
             handle.close()

@@ -247,8 +247,11 @@ class Planner:
                       n_verify - 1)
         return n_verify
 
-    def plan(self, req: Request, prompt_cache: Optional[PromptCache]) -> tuple[Optional[Proposer], Policy]:
-        """The request's proposer (None: plain decoding) and policy."""
+    def plan(self, req: Request, prompt_cache: Optional[PromptCache],
+             draft: Optional[Drafter] = None) -> tuple[Optional[Proposer], Policy]:
+        """The request's proposer (None: plain decoding) and policy; draft: the context the
+        request's slot drafts in (the first slot's by default)."""
+        draft = draft if draft is not None else self.draft
         # a grammar's forced tokens are a source even where nothing else proposes
         forced = Proposer(None, None) if req.constraint is not None and req.constraint.grammar is not None \
             and req.n_draft != 0 else None
@@ -257,9 +260,9 @@ class Planner:
         policy = self._policy(req)
         if not (policy.has_draft or policy.lookup):
             return forced, FixedDraft(0)
-        draft = DraftModelProposer(self.draft, prompt_cache, canonical=req.seeded) \
-            if policy.has_draft and self.draft is not None else None
-        return Proposer(draft, PromptLookupProposer() if policy.lookup or draft is None else None), policy
+        drafting = DraftModelProposer(draft, prompt_cache, canonical=req.seeded) \
+            if policy.has_draft and draft is not None else None
+        return Proposer(drafting, PromptLookupProposer() if policy.lookup or drafting is None else None), policy
 
     def _policy(self, req: Request) -> Policy:
         level = req.level

@@ -94,9 +94,12 @@ class Budget:
 class PromptCache:
     """The prompt cache of one model (a Runtime or RemoteRuntime)."""
 
-    def __init__(self, runtime: Model, budget: Budget):
+    def __init__(self, runtime: Model, budget: Budget, owner: Optional["PromptCache"] = None):
         self.runtime = runtime
         self.budget = budget
+        # whose saved states these are: the caches of one model's slots share theirs (a state
+        # one context saved restores into another context of the same model)
+        self.owner: PromptCache = owner if owner is not None else self
         self.n_hits = 0  # prefills that reused at least one token
         self.n_misses = 0
         self.n_reused = 0  # tokens reused, all prefills together
@@ -105,7 +108,7 @@ class PromptCache:
 
     @property
     def saved(self) -> list[SavedState]:
-        return self.budget.of(self)
+        return self.budget.of(self.owner)
 
     def prefill(self, tokens: Sequence[int], canonical: bool) -> Reuse:
         """Make the runtime hold tokens, with logits for the last one, reusing what it can.
@@ -163,7 +166,7 @@ class PromptCache:
         if self.budget.n_bytes <= 0:
             return
         state = rt.save_state()
-        if self.budget.add(self, state):
+        if self.budget.add(self.owner, state):
             self.n_saved += 1
         else:
             log.info("%s: a sequence state of %.0f MiB is over the prompt cache's budget of %.0f MiB; not kept",

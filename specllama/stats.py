@@ -55,6 +55,7 @@ class Stats:
     n_replayed: int = 0
     rollback: str = ""  # how the target's memory drops rejected tokens (runtime.ROLLBACKS)
     draft_source: str = ""  # "model" (a second GGUF), "mtp" (the target's own MTP layers) or none
+    slot: int = 0  # the slot (contexts of its own) the request decoded in: 0, or another beside it
     t_total: float = 0.0
     # what the draft controller decided from: its cost estimates and acceptance at the end
     controller: dict = field(default_factory=dict)

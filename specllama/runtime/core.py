@@ -29,6 +29,10 @@ from .trees import TreeDecode, TreeDecoding
 from .vocab import Vocab
 
 
+class SlotUnavailable(Exception):
+    """No second context can be made on this runtime's model (why, in words)."""
+
+
 @dataclass
 class _Rows:
     """Which logit rows the last decode kept, and where they sit in its batch."""
@@ -76,6 +80,8 @@ class Runtime(Vocab, TreeDecoding):
         self.t_rollback = 0.0  # seconds rolling back took
         self.mtp_head: Any = None  # the model's MTP layers (mtp.MtpHead), when loaded with mtp=True
         self.mtp_note = ""  # why they could not be loaded
+        self.settings: Optional[ModelSettings] = None  # what load() made the context with (None: borrowed)
+        self.n_seq = n_seq
         self._memory.clear()
 
     @classmethod
@@ -92,6 +98,12 @@ class Runtime(Vocab, TreeDecoding):
         from .loading import borrow_runtime
 
         return borrow_runtime(cls, llama)
+
+    def sibling(self) -> "Runtime":
+        """loading.sibling_runtime: a second context on this model, for a concurrent request."""
+        from .loading import sibling_runtime
+
+        return sibling_runtime(self)
 
     def close(self) -> None:
         """Free the context, then the model (a borrowed Llama's stay with their owner); any

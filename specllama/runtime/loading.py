@@ -37,6 +37,7 @@ def load_runtime(cls: Any, path: Union[str, os.PathLike], settings: ModelSetting
         ctx = new_context(model, settings, stack, n_seq=n_seq, name=path.name)
         runtime = cls(model, ctx, path.name, stack, "", settings.rollback, n_seq=n_seq)
         runtime.identity = identity(path, settings, runtime, mtp)
+        runtime.settings, runtime.n_seq = settings, n_seq
         if mtp:
             try:
                 runtime.mtp_head = MtpHead(runtime, settings, stack)
@@ -44,6 +45,32 @@ def load_runtime(cls: Any, path: Union[str, os.PathLike], settings: ModelSetting
                 runtime.mtp_note = str(exc)
         runtime.memory_use = MemoryUse(max(0, resident_bytes() - ram0), max(0, gpu_free0 - gpu_free()))
         return runtime
+    except BaseException:
+        stack.close()
+        raise
+
+
+def sibling_runtime(runtime: Any) -> Any:
+    """A second context on runtime's model, with its settings: a slot for a request decoded
+    beside another one. The weights are shared, not loaded again; only the context's KV cache
+    and compute buffers are new. Close it before the runtime it came from (which frees the
+    model). Raises SlotUnavailable where a second context cannot be made here."""
+    from .core import SlotUnavailable
+
+    if runtime.settings is None:
+        raise SlotUnavailable(f"{runtime.name} is a llama_cpp.Llama the caller built, whose context is its only one")
+    if runtime.mtp_head is not None:
+        raise SlotUnavailable(f"{runtime.name}'s MTP layers follow one target context")
+    stack = ExitStack()
+    try:
+        ram0, gpu_free0 = resident_bytes(), gpu_free()
+        model = Handle(runtime._model.ptr, None, runtime._model.what, None)  # the original frees it
+        ctx = new_context(model, runtime.settings, stack, n_seq=runtime.n_seq, name=runtime.name)
+        twin = type(runtime)(model, ctx, runtime.name, stack, runtime.identity, runtime.settings.rollback,
+                             n_seq=runtime.n_seq)
+        twin.settings, twin.n_seq = runtime.settings, runtime.n_seq
+        twin.memory_use = MemoryUse(max(0, resident_bytes() - ram0), max(0, gpu_free0 - gpu_free()))
+        return twin
     except BaseException:
         stack.close()
         raise

@@ -1,0 +1,288 @@
+"""Slots: the contexts requests decode in side by side, and the turn their rounds take.
+
+A slot is a target context and a draft context on the models a SpecLlama loaded (the weights
+shared, only the KV caches new). The first slot is the contexts load() made; more are made
+when a request arrives while every slot generates, up to n_parallel. Each request decodes in a
+slot of its own, exactly as it would alone: its rounds are the same batches on a KV cache that
+holds only its own tokens, so its output is the one it would have alone, at every fidelity
+level. The rounds of all requests take turns on the models in arrival order (Turns): on a
+machine whose decode already uses every core, running two at once only stalls both.
+
+The prompt cache's saved states belong to all slots of a model (any slot can restore a state
+another saved), and a request is handed the free slot whose live sequence shares the longest
+prefix with its prompt.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import deque
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import psutil
+
+from .errors import BusyError, InvalidParameterError
+from .idle import PROCESS
+from .prompt_cache import Budget, PromptCache
+from .runtime.core import SlotUnavailable
+from .runtime.protocols import Drafter, Model
+from .runtime.session import common_prefix
+
+log = logging.getLogger("specllama")
+
+# a slot beyond the first is made only while this many times its size stays free
+RAM_HEADROOM = 2.0
+
+
+class Turns:
+    """A lock handed out in arrival order: threading.Lock lets a thread that releases it and
+    asks again at once keep it, so the first request would starve a second one."""
+
+    def __init__(self) -> None:
+        self._cv = threading.Condition()
+        self._held = False
+        self._queue: deque[object] = deque()
+
+    def acquire(self, blocking: bool = True) -> bool:
+        with self._cv:
+            if not self._held and not self._queue:
+                self._held = True
+                return True
+            if not blocking:
+                return False
+            me = object()
+            self._queue.append(me)
+            try:
+                while self._held or self._queue[0] is not me:
+                    self._cv.wait()
+            except BaseException:  # interrupted while waiting: give up the place in the queue
+                self._queue.remove(me)
+                self._cv.notify_all()
+                raise
+            self._queue.popleft()
+            self._held = True
+            return True
+
+    def release(self) -> None:
+        with self._cv:
+            self._held = False
+            self._cv.notify_all()
+
+    def __enter__(self) -> "Turns":
+        self.acquire()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+
+@dataclass
+class Slot:
+    """One request's contexts: the target's and the draft's, each with its prompt cache."""
+
+    index: int
+    target: Model
+    draft: Optional[Drafter]
+    target_cache: PromptCache
+    draft_cache: Optional[PromptCache]
+    owner: Optional[int] = None  # the thread generating in it (None: free)
+    n_bytes: int = 0  # what making it took (RAM); 0 for the first slot
+
+    def close(self) -> None:
+        for runtime in (self.draft, self.target):
+            if runtime is not None:
+                runtime.close()
+
+
+@dataclass
+class Slots:
+    """The slots of one SpecLlama; `first` is load()'s contexts. n_max: how many slots it may
+    have (1 where a second context cannot be made: note says why)."""
+
+    first: Slot
+    n_max: int
+    budget: Budget
+    note: str = ""
+    more: list[Slot] = field(default_factory=list)
+
+    @property
+    def all(self) -> list[Slot]:
+        return [self.first, *self.more]
+
+    @property
+    def n_busy(self) -> int:
+        return sum(slot.owner is not None for slot in self.all)
+
+    def free_for(self, prompt: list[int]) -> Optional[Slot]:
+        """The free slot whose live sequence shares the most with prompt (None: all busy)."""
+        free = [slot for slot in self.all if slot.owner is None]
+        return max(free, key=lambda slot: common_prefix(slot.target.cached, prompt), default=None)
+
+    def can_grow(self, n_growing: int = 0) -> bool:
+        """Whether one more slot may be made now (n_growing being made already): under n_max
+        and with the RAM it takes."""
+        if len(self.all) + n_growing >= self.n_max:
+            return False
+        last = self.more[-1].n_bytes if self.more else 0
+        free = psutil.virtual_memory().available
+        if last and free < RAM_HEADROOM * last:
+            self.n_max = len(self.all)
+            log.warning("%s: %.0f MiB of RAM free, under %.0fx the %.0f MiB a slot takes; serving at most %d "
+                        "requests at once", self.first.target.name, free / 2**20, RAM_HEADROOM, last / 2**20,
+                        self.n_max)
+            return False
+        return True
+
+    def grow(self) -> Slot:
+        """A new slot: contexts on the same models (call with the models' turn held: llama.cpp
+        makes a context while nothing decodes)."""
+        first = self.first
+        target: Any = first.target.sibling()  # type: ignore[attr-defined]
+        draft: Any = None
+        try:
+            if first.draft is not None:
+                draft = first.draft.sibling()  # type: ignore[attr-defined]
+        except BaseException:
+            target.close()
+            raise
+        n_bytes = sum(rt.memory_use.total for rt in (target, draft) if rt is not None and rt.memory_use is not None)
+        slot = Slot(len(self.all), target, draft, PromptCache(target, self.budget, owner=first.target_cache),
+                    None if draft is None or first.draft_cache is None
+                    else PromptCache(draft, self.budget, owner=first.draft_cache), n_bytes=n_bytes)
+        self.more.append(slot)
+        log.info("%s: a request decodes in slot %d, beside %d others (%.0f MiB for its contexts)",
+                 first.target.name, slot.index, len(self.all) - 1, n_bytes / 2**20)
+        return slot
+
+    def close_more(self) -> None:
+        """Free the slots beyond the first (before the models the first slot's runtimes own)."""
+        for slot in self.more:
+            slot.close()
+        self.more.clear()
+
+
+def why_single(target: Model, draft: Optional[Drafter]) -> str:
+    """Why requests on these models decode one at a time ("" where slots can be made)."""
+    for runtime in (target, draft):
+        if runtime is None:
+            continue
+        if not hasattr(runtime, "sibling"):
+            return f"{runtime.name} is hosted by another process (RPC), which serves one context"
+        if getattr(runtime, "follows_target", False):
+            return "the target's MTP layers follow one target context"
+        if getattr(runtime, "settings", None) is None:
+            return f"{runtime.name} is a llama_cpp.Llama the caller built, with one context"
+    return ""
+
+
+class Pool:
+    """Who generates where: the slots, the streams open in them, and the models' turn (each
+    generation's rounds, idle work's steps and exclusive() take it)."""
+
+    def __init__(self, slots: Slots, idle_busy: Callable[[], None]):
+        self.slots, self._idle_busy = slots, idle_busy
+        self.turn = Turns()
+        self._cv = threading.Condition()
+        self.streams: set[Any] = set()
+        self.n_generating = 0  # generations holding or waiting for a slot
+        self._n_growing = 0  # slots being made
+        self._exclusive = False
+
+    @contextmanager
+    def generation(self, stream: Any, prompt: list[int], check_open: Callable[[], None]) -> Iterator[Slot]:
+        """A slot for stream's generation, for as long as it runs: the free one sharing the most
+        with prompt, a new one while under n_max, or the next to be freed by another thread.
+        BusyError while exclusive(), or when this thread's own open streams hold every slot."""
+        me = threading.get_ident()
+        with self._cv:
+            slot = self._take(prompt, me)
+            self.streams.add(stream)
+            self.n_generating += 1
+        try:
+            with PROCESS.busy():  # idle work anywhere in the process ends first
+                while slot is None:  # a new slot, made in the models' turn
+                    slot = self._grow(me, prompt, check_open)
+                check_open()  # closed while it waited to start
+                yield slot
+        finally:
+            with self._cv:
+                if slot is not None:
+                    slot.owner = None
+                self.streams.discard(stream)
+                self.n_generating -= 1
+                self._cv.notify_all()
+            self._idle_busy()
+
+    def _take(self, prompt: list[int], me: int) -> Optional[Slot]:
+        """(the condition held) A free slot now, or None with a new one reserved; waits for
+        one that another thread frees."""
+        while True:
+            if self._exclusive:
+                raise BusyError("this SpecLlama's models are in exclusive use (a calibration or doctor); "
+                                "generate once it ends")
+            slot = self.slots.free_for(prompt)
+            if slot is not None:
+                slot.owner = me
+                return slot
+            if self.slots.can_grow(self._n_growing):
+                self._n_growing += 1
+                return None
+            if all(s.owner == me for s in self.slots.all) and not self._n_growing:
+                n = len(self.slots.all)
+                why = f" ({self.slots.note})" if self.slots.note else ""
+                raise BusyError(f"this SpecLlama is generating in all its {n} slot{'s' * (n > 1)}{why}, for "
+                                "streams this thread holds open; finish or close() one of them first"
+                                + ("" if self.slots.note else ", or load() with a larger n_parallel"))
+            self._cv.wait()
+
+    def _grow(self, me: int, prompt: list[int], check_open: Callable[[], None]) -> Optional[Slot]:
+        """A new slot owned by me; where llama.cpp cannot make one, no more are tried and the
+        next free slot is waited for (None: take again)."""
+        new: Optional[Slot] = None
+        try:
+            with self.turn:
+                check_open()
+                new = self.slots.grow()
+        except (SlotUnavailable, InvalidParameterError) as e:
+            log.warning("%s: no further slot (%s); requests beyond %d wait for one to be free",
+                        self.slots.first.target.name, e, len(self.slots.all))
+        finally:
+            with self._cv:
+                self._n_growing -= 1
+                if new is None:
+                    self.slots.n_max = len(self.slots.all)
+                self._cv.notify_all()
+        if new is not None:
+            with self._cv:
+                new.owner = me
+            return new
+        with self._cv:
+            return self._take(prompt, me)
+
+    @contextmanager
+    def exclusive(self) -> Iterator[None]:
+        """The models to the caller alone (BusyError while anything generates)."""
+        with self._cv:
+            if self.n_generating:
+                raise BusyError("this SpecLlama is generating (another thread, or a stream that is still open); "
+                                "finish or close() that stream first")
+            self._exclusive = True
+        try:
+            with self.turn, PROCESS.busy():
+                yield
+        finally:
+            with self._cv:
+                self._exclusive = False
+            self._idle_busy()
+
+    def end_all(self) -> None:
+        """Close every open stream (from any thread) and wait until no generation runs."""
+        for stream in list(self.streams):
+            stream.close()
+        with self._cv:
+            while self.n_generating:
+                self._cv.wait(timeout=0.1)
