@@ -161,8 +161,8 @@ class ModelChoice:
                 settings[key] = value
         return settings
 
-    def open(self) -> Any:
-        """The loaded SpecLlama."""
+    def open(self, **load_options: Any) -> Any:
+        """The loaded SpecLlama (load_options: load()'s, beside the command line's)."""
         from ..loader import load
 
         target, draft = self.resolve()
@@ -176,7 +176,7 @@ class ModelChoice:
         if self.n_draft is not None:
             kwargs["n_draft"] = self.n_draft if self.n_draft == "auto" else _int_option("--n-draft", self.n_draft)
         return load(target, "ngram" if self.draft == "ngram" else draft, exact="off" if self.inexact else self.exact,
-                    prompt_cache_mb=self.prompt_cache_mb, **kwargs, **self.settings())
+                    prompt_cache_mb=self.prompt_cache_mb, **kwargs, **load_options, **self.settings())
 
 
 def trained_context(path: Path) -> Optional[int]:

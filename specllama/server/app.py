@@ -33,11 +33,15 @@ OPEN_PATHS = ("/health", "/")  # answered without an API key: load balancers and
 class Server:
     """What the translators share: the model once loaded, the turn, metrics and settings."""
 
-    def __init__(self, model_id: str, strict_model: bool, metrics: Metrics):
+    def __init__(self, model_id: str, strict_model: bool, metrics: Metrics, n_parallel: int = 4):
         self.model_id, self.strict_model, self.metrics = model_id, strict_model, metrics
         self.llm: Any = None
         self.error: Optional[BaseException] = None
-        self.turn = asyncio.Lock()  # one generation at a time; waiters served in arrival order
+        # n_parallel generations at once, each in a slot of the model's; waiters served in arrival order
+        self.n_parallel = n_parallel
+        self.turn = asyncio.Semaphore(n_parallel)
+        self.n_active = self.n_queued = 0
+        metrics.slots.set(n_parallel)
         self.created = int(time.time())
         self.fingerprint = f"specllama-{__version__}"
 
@@ -60,15 +64,30 @@ class Server:
         """Start work once it is this request's turn; None if the client left while waiting.
         A non-streamed job's result is then result(request, job)."""
         disconnect = Disconnect(request)
-        if not await acquire(self.turn, disconnect):
+        self._count(queued=1)
+        try:
+            admitted = await acquire(self.turn, disconnect)
+        finally:
+            self._count(queued=-1)
+        if not admitted:
             self.metrics.cancelled.labels(self.metrics.endpoint(request.url.path)).inc()
             return None
-        job = Job(work, self.turn.release)
+        self._count(active=1)
+        job = Job(work, self._release)
         if stream:  # the stream's response watches its own client
             disconnect.close()
         else:
             job.disconnect = disconnect
         return job
+
+    def _count(self, active: int = 0, queued: int = 0) -> None:
+        self.n_active, self.n_queued = self.n_active + active, self.n_queued + queued
+        self.metrics.active.set(self.n_active)
+        self.metrics.queued.set(self.n_queued)
+
+    def _release(self) -> None:
+        self._count(active=-1)
+        self.turn.release()
 
     async def answer(self, request: Request, work: Callable[[Job], Any], stream: bool,
                      events: Callable[[Job], Response]) -> Any:
@@ -113,7 +132,7 @@ class Server:
 
 
 def create_app(load: Callable[[], Any], model_id: str, api_key: Optional[str] = None,
-               cors_origins: Sequence[str] = (), strict_model: bool = False) -> FastAPI:
+               cors_origins: Sequence[str] = (), strict_model: bool = False, n_parallel: int = 4) -> FastAPI:
     """The app; load() builds the SpecLlama in a background thread once the server is up.
 
     Args:
@@ -123,6 +142,7 @@ def create_app(load: Callable[[], Any], model_id: str, api_key: Optional[str] = 
             or "x-api-key: KEY" (Anthropic's header).
         cors_origins: origins browsers may call from ("*" for any); none by default.
         strict_model: answer 404 for a request naming another model, as OpenAI does.
+        n_parallel: requests generating at once (load()'s n_parallel); others wait in arrival order.
     """
     from . import anthropic_messages, llama_server, openai_chat, openai_responses
 
@@ -141,12 +161,11 @@ def create_app(load: Callable[[], Any], model_id: str, api_key: Optional[str] = 
 
         threading.Thread(target=load_in_background, name="specllama-load", daemon=True).start()
         yield
-        async with server.turn:
-            if server.llm is not None:
-                server.llm.close()
+        if server.llm is not None:  # open streams end at their next token, then the models are freed
+            await asyncio.to_thread(server.llm.close)
 
     app = FastAPI(title="specllama", docs_url=None, redoc_url=None, lifespan=lifespan)
-    server = Server(model_id, strict_model, metrics)
+    server = Server(model_id, strict_model, metrics, n_parallel)
     app.state.server = server
 
     _error_handlers(app)
@@ -198,7 +217,8 @@ def _shared_routes(app: FastAPI, server: Server) -> None:
     async def health() -> JSONResponse:
         if server.llm is None:
             return JSONResponse({"status": "error" if server.error else "loading"}, status_code=503)
-        return JSONResponse({"status": "ok"})
+        return JSONResponse({"status": "ok", "slots": server.n_parallel, "requests_active": server.n_active,
+                             "requests_queued": server.n_queued})
 
     @app.api_route("/", methods=["GET", "HEAD"])
     async def root() -> JSONResponse:

@@ -1,4 +1,4 @@
-"""A request's generation in a worker thread, and the server's turn it holds while it runs.
+"""A request's generation in a worker thread, and the server's slot it holds while it runs.
 
 The event loop never decodes: a Job runs the request's work in a thread of its own, passes what
 it emits to the loop through a queue, and releases the turn when it ends. When the client goes
@@ -43,8 +43,8 @@ class Disconnect:
         self.task.cancel()
 
 
-async def acquire(lock: asyncio.Lock, disconnect: Disconnect) -> bool:
-    """Wait for the turn in arrival order; False, without it, if the client leaves first."""
+async def acquire(lock: asyncio.Semaphore, disconnect: Disconnect) -> bool:
+    """Wait for a slot in arrival order; False, without it, if the client leaves first."""
     waiting = asyncio.ensure_future(lock.acquire())
     await asyncio.wait({waiting, disconnect.task}, return_when=asyncio.FIRST_COMPLETED)
     if waiting.done():

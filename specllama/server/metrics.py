@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 
 
 class Metrics:
@@ -29,6 +29,10 @@ class Metrics:
         self.accepted_tokens = Counter("specllama_accepted_tokens", "Drafted tokens the target accepted", registry=r)
         self.near_ties = Counter("specllama_near_ties", "Greedy tokens decided at a near-tie (fidelity)", registry=r)
         self.seconds = Counter("specllama_phase_seconds", "Time spent per phase", ["phase"], registry=r)
+        self.active = Gauge("specllama_requests_active", "Generations running now, each in a slot of its own",
+                            registry=r)
+        self.queued = Gauge("specllama_requests_queued", "Requests waiting for a free slot", registry=r)
+        self.slots = Gauge("specllama_slots", "Requests that may decode side by side (--parallel)", registry=r)
 
     def endpoint(self, path: str) -> str:
         return path if path in self.endpoints else "other"
