@@ -153,13 +153,18 @@ def test_a_context_too_small_to_probe_decodes_plainly(model_paths, plain):
         assert r.stats.n_drafted == 0
 
 
-def test_busy_while_a_stream_is_open(pair):
-    stream = pair.stream(CODE, max_tokens=8)
-    next(stream)
-    with pytest.raises(specllama.BusyError, match="already generating"):
-        pair.generate(CODE, max_tokens=2)
-    stream.close()
-    assert pair.generate(CODE, max_tokens=2).finish_reason == "length"
+def test_busy_when_this_threads_open_streams_hold_every_slot(model_paths, golden):
+    """A generation beside an open stream decodes in a slot of its own; once this thread's own
+    streams hold all n_parallel slots, one more is a BusyError (waiting would never end)."""
+    with specllama.load(model_paths["target"], model_paths["draft"], n_parallel=2, **SETTINGS) as llm:
+        streams = [llm.stream(CODE, max_tokens=8) for _ in range(2)]
+        for stream in streams:
+            next(stream)
+        with pytest.raises(specllama.BusyError, match="all its 2 slots"):
+            llm.generate(CODE, max_tokens=2)
+        streams[0].close()
+        assert llm.generate(CODE, max_tokens=12, exact="bitwise").tokens == golden
+        streams[1].close()
 
 
 @pytest.mark.parametrize("prompt", ["   \n\t ", "<|im_end|>", "<|im_start|><|im_end|>"])

@@ -90,7 +90,7 @@ def test_completions_plain_and_streamed(client, pair):
     assert streamed[-1].choices[0].finish_reason == "length"
 
 
-def test_two_concurrent_requests_run_in_order(client, expected_chat):
+def test_two_concurrent_requests_each_get_the_answer_they_get_alone(client, expected_chat):
     done: dict[str, tuple[float, str]] = {}
 
     def ask(name: str) -> None:
@@ -106,7 +106,6 @@ def test_two_concurrent_requests_run_in_order(client, expected_chat):
     first.join(120)
     second.join(120)
     assert done["first"][1] == done["second"][1] == expected_chat.text
-    assert done["first"][0] < done["second"][0]
 
 
 def test_a_client_that_disconnects_mid_stream_leaves_the_model_consistent(server, client, expected_chat):

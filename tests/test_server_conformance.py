@@ -33,8 +33,9 @@ def server(served):
 @pytest.fixture(scope="module")
 def strict(model_paths, tmp_path_factory):
     log = tmp_path_factory.mktemp("serve") / "strict.log"
+    # one slot: requests beyond the first wait in a queue (the pair's server decodes 4 at once)
     with serve(model_paths["target"], log, "--draft", "none", "--model-id", SERVER_MODEL, "--strict-model",
-               "--cors-origins", f"{ORIGIN},http://127.0.0.1:5173") as (base, _):
+               "--cors-origins", f"{ORIGIN},http://127.0.0.1:5173", "--parallel", "1") as (base, _):
         yield base
 
 
@@ -199,17 +200,19 @@ def test_an_abandoned_request_is_cancelled_and_the_queue_moves_on(server):
     assert metric(server, "specllama_generated_tokens_total", KEY) - generated < 300
 
 
-def test_a_request_whose_client_left_while_queued_never_runs(server):
-    body = {"model": "m", "prompt": "1, 2, 3, 4, 5, 6,", "max_tokens": 60, "temperature": 0}
-    generated = metric(server, "specllama_generated_tokens_total", KEY)
-    first = threading.Thread(target=post, args=(server, "/v1/completions", body, KEY))
+def test_a_request_whose_client_left_while_queued_never_runs(strict):
+    body = {"model": SERVER_MODEL, "prompt": "1, 2, 3, 4, 5, 6,", "max_tokens": 60, "temperature": 0}
+    generated = metric(strict, "specllama_generated_tokens_total")
+    first = threading.Thread(target=post, args=(strict, "/v1/completions", body))
     first.start()
     time.sleep(0.5)
-    with pytest.raises(httpx.ReadTimeout):  # queued behind the first, then gone
-        post(server, "/v1/completions", {**body, "max_tokens": 500}, KEY, timeout=0.5)
+    assert json.loads(httpx.get(f"{strict}/health").text)["requests_active"] == 1
+    with pytest.raises(httpx.ReadTimeout):  # queued behind the first (one slot), then gone
+        post(strict, "/v1/completions", {**body, "max_tokens": 500}, timeout=0.5)
     first.join(120)
     time.sleep(1.0)
-    assert metric(server, "specllama_generated_tokens_total", KEY) - generated <= 60
+    assert metric(strict, "specllama_generated_tokens_total") - generated <= 60
+    assert metric(strict, "specllama_requests_queued") == 0
 
 
 def test_unknown_paths_and_methods_get_json_errors(server):

@@ -1,0 +1,192 @@
+"""Several requests at once: each decodes in a slot of its own (contexts on the shared weights)
+and its rounds take turns with the others', so its output is the one it has alone. Real
+models, real llama.cpp, and a real server with the openai client."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import openai
+import pytest
+
+import specllama
+from conftest import SERVER_KEY, SETTINGS
+from specllama.slots import Turns
+
+ASKS = ["Write a Python function that reverses a linked list.", "Give a four-word title for: baking sourdough bread",
+        "Explain TCP slow start in two sentences.", "Write a Python function that reverses a linked list."]
+SCHEMA = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+          "required": ["name", "age"]}
+
+
+def at_once(llm, prompts, per_prompt=None, **options):
+    """generate() on every prompt (with per_prompt[i]'s options, or the same for all), each in
+    a thread of its own, all started together."""
+    results: list = [None] * len(prompts)
+    start = threading.Barrier(len(prompts))
+
+    def run(i):
+        start.wait()
+        results[i] = llm.generate(prompts[i], **(per_prompt[i] if per_prompt else options))
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(300)
+    return results
+
+
+@pytest.fixture(scope="module")
+def pair(model_paths):
+    """The session's pair, loaded again for this module: the slots its requests make stay here."""
+    with specllama.load(model_paths["target"], model_paths["draft"], n_draft=4, **SETTINGS) as llm:
+        yield llm
+
+
+@pytest.fixture(scope="module")
+def prompts(pair):
+    return [pair.chat_tokens([{"role": "user", "content": ask}]) for ask in ASKS]
+
+
+def test_turns_are_handed_out_in_arrival_order():
+    """Turns is fair: a thread that releases and asks again at once goes behind a waiter
+    (threading.Lock would let it keep the lock, starving the other request)."""
+    turns, order = Turns(), []
+    turns.acquire()
+    waiter = threading.Thread(target=lambda: (turns.acquire(), order.append("waiter"), turns.release()))
+    waiter.start()
+    time.sleep(0.1)  # the waiter is queued
+    turns.release()
+    with turns:
+        order.append("again")
+    waiter.join(5)
+    assert order == ["waiter", "again"]
+    assert turns.acquire(blocking=False)
+    assert not turns.acquire(blocking=False)
+    turns.release()
+
+
+def test_four_greedy_requests_at_once_each_equal_their_solo_run(pair, plain, prompts):
+    """Different prompts and two identical ones, at the bitwise level: each equals plain
+    decoding of its prompt alone, and they really ran side by side (four slots)."""
+    solo = [plain.generate(p, max_tokens=40).tokens for p in prompts]
+    results = at_once(pair, prompts, max_tokens=40, exact="bitwise")
+    assert [r.tokens for r in results] == solo
+    assert sorted(r.stats.slot for r in results) == [0, 1, 2, 3]
+
+
+def test_at_the_default_level_requests_at_once_differ_only_at_counted_near_ties(pair, plain, prompts):
+    solo = [plain.generate(p, max_tokens=40).tokens for p in prompts]
+    for result, expected in zip(at_once(pair, prompts, max_tokens=40), solo):
+        got = result.tokens
+        first = next((i for i, (a, b) in enumerate(zip(got, expected)) if a != b), None)
+        if first is None:
+            assert len(got) == len(expected)
+        else:
+            assert first in result.stats.near_tie_positions, (first, result.stats.near_tie_positions)
+
+
+def test_seeded_sampling_gives_the_same_text_beside_others(pair, prompts):
+    options = dict(max_tokens=32, temperature=0.9, seed=1234)
+    alone = [pair.generate(p, **options).text for p in prompts[:3]]
+    beside = at_once(pair, prompts[:3], **options)
+    assert [r.text for r in beside] == alone
+
+
+def test_a_constrained_request_beside_unconstrained_ones_keeps_its_output(pair, prompts):
+    ask = pair.chat_tokens([{"role": "user", "content": "Describe a person as JSON."}])
+    alone = pair.generate(ask, max_tokens=40, json_schema=SCHEMA, exact="bitwise")
+    options = [dict(max_tokens=40, json_schema=SCHEMA, exact="bitwise"), dict(max_tokens=40), dict(max_tokens=40)]
+    beside = at_once(pair, [ask, prompts[0], prompts[2]], options)
+    assert beside[0].tokens == alone.tokens
+    assert '"age"' in beside[0].text
+
+
+def test_generate_batch_and_submit(pair, plain, prompts):
+    solo = [plain.generate(p, max_tokens=24).tokens for p in prompts]
+    results = pair.generate_batch(prompts, max_tokens=24, exact="bitwise")
+    assert [r.tokens for r in results] == solo
+    future = pair.submit(prompts[2], max_tokens=24, exact="bitwise")
+    assert future.result(120).tokens == solo[2]
+    with pytest.raises(specllama.InvalidParameterError, match="max_tokens"):
+        pair.generate_batch(prompts, max_tokens=-3)  # checked before anything decodes
+
+
+def test_one_request_at_a_time_where_slots_cannot_be_made(tiny_paths):
+    """The target's MTP layers follow one context: requests decode one after another (the
+    second thread waits for the slot), each with its own output."""
+    with specllama.load(tiny_paths["hybrid-target"], "mtp", exact="bitwise", **SETTINGS) as llm:
+        assert llm.pool.slots.n_max == 1 and "MTP" in llm.pool.slots.note
+        prompts = [llm.tokenize("Hello there, friend"), llm.tokenize("One two three four")]
+        solo = [llm.generate(p, max_tokens=16).tokens for p in prompts]
+        assert [r.tokens for r in at_once(llm, prompts, max_tokens=16)] == solo
+
+
+def test_hybrid_targets_decode_side_by_side(tiny_paths):
+    """A hybrid (recurrent + attention) target: each slot has its own recurrent state."""
+    with specllama.load(tiny_paths["hybrid-target"], tiny_paths["hybrid-draft"], exact="bitwise", **SETTINGS) as llm, \
+            specllama.load(tiny_paths["hybrid-target"], exact="bitwise", **SETTINGS) as plain:
+        prompts = [llm.tokenize(t) for t in ("Hello there, friend", "One two three four", "Hello there, friend")]
+        solo = [plain.generate(p, max_tokens=24).tokens for p in prompts]
+        results = at_once(llm, prompts, max_tokens=24)
+        assert [r.tokens for r in results] == solo
+        assert len({r.stats.slot for r in results}) == 3
+
+
+def _stream_text(client, ask, max_tokens, stamps=None, stop_after=None):
+    out, stream = [], client.chat.completions.create(model="m", messages=[{"role": "user", "content": ask}],
+                                                     max_tokens=max_tokens, temperature=0, stream=True)
+    for chunk in stream:
+        if chunk.choices and chunk.choices[0].delta.content:
+            out.append(chunk.choices[0].delta.content)
+            if stamps is not None:
+                stamps.append(time.perf_counter())
+            if stop_after is not None and len(out) >= stop_after:
+                stream.close()  # the client disconnects mid-stream
+                break
+    return "".join(out)
+
+
+def test_a_title_request_beside_a_streaming_answer_does_not_wait_for_it(served):
+    """Open WebUI's pattern: a 16-token title request 0.5 s into a long streamed answer. It is
+    served beside the answer, not after it, and the answer keeps its text."""
+    client = openai.OpenAI(base_url=f"{served[0]}/v1", api_key=SERVER_KEY, max_retries=0, timeout=300)
+    long_ask, title_ask = "Write a Python class for a binary search tree with insert and delete.", \
+        "Give a four-word title for: binary search trees in Python"
+    answer_alone = _stream_text(client, long_ask, 160)
+    t0 = time.perf_counter()
+    title_alone = client.chat.completions.create(model="m", messages=[{"role": "user", "content": title_ask}],
+                                                 max_tokens=16, temperature=0).choices[0].message.content
+    t_alone = time.perf_counter() - t0
+    answer: dict = {}
+    stamps: list[float] = []
+    streaming = threading.Thread(target=lambda: answer.update(text=_stream_text(client, long_ask, 160, stamps)))
+    streaming.start()
+    time.sleep(0.5)
+    t0 = time.perf_counter()
+    title = client.chat.completions.create(model="m", messages=[{"role": "user", "content": title_ask}],
+                                           max_tokens=16, temperature=0).choices[0].message.content
+    t_beside, t_title_done = time.perf_counter() - t0, time.perf_counter()
+    streaming.join(300)
+    print(f"\ntitle alone {t_alone:.2f} s, beside a streaming answer {t_beside:.2f} s "
+          f"({t_beside / t_alone:.2f}x); the answer streamed until {stamps[-1] - t0:.2f} s")
+    assert title == title_alone and answer["text"] == answer_alone
+    assert t_title_done < stamps[-1]  # one at a time, it would have waited for the whole answer
+
+
+def test_a_client_leaving_mid_stream_leaves_the_others_unchanged(served):
+    client = openai.OpenAI(base_url=f"{served[0]}/v1", api_key=SERVER_KEY, max_retries=0, timeout=300)
+    asks = ["Count from one to thirty in words.", "Write a haiku about autumn rain."]
+    alone = [_stream_text(client, ask, 48) for ask in asks]
+    got: dict = {}
+    threads = [threading.Thread(target=lambda: got.update(left=_stream_text(client, asks[0], 400, stop_after=5))),
+               threading.Thread(target=lambda: got.update(other=_stream_text(client, asks[1], 48)))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(300)
+    assert got["other"] == alone[1]
+    assert alone[0].startswith(got["left"])
+    assert _stream_text(client, asks[0], 48) == alone[0]  # and the server goes on as before
