@@ -170,10 +170,10 @@ def why_single(target: Model, draft: Optional[Drafter]) -> str:
     for runtime in (target, draft):
         if runtime is None:
             continue
-        if not hasattr(runtime, "sibling"):
-            return f"{runtime.name} is hosted by another process (RPC), which serves one context"
         if getattr(runtime, "follows_target", False):
             return "the target's MTP layers follow one target context"
+        if not hasattr(runtime, "sibling"):
+            return f"{runtime.name} is hosted by another process (RPC), which serves one context"
         if getattr(runtime, "settings", None) is None:
             return f"{runtime.name} is a llama_cpp.Llama the caller built, with one context"
     return ""

@@ -38,7 +38,9 @@ def expected_chat(pair):
 def test_health_says_loading_then_ok(server):
     base, seen = server
     assert 503 in seen, seen  # asked while the model was still loading
-    assert httpx.get(f"{base}/health").json() == {"status": "ok"}  # no key needed
+    health = httpx.get(f"{base}/health").json()  # no key needed
+    assert health["status"] == "ok" and health["slots"] == 4
+    assert set(health) == {"status", "slots", "requests_active", "requests_queued"}
 
 
 def test_models_lists_the_target(client):
