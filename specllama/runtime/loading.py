@@ -37,7 +37,7 @@ def load_runtime(cls: Any, path: Union[str, os.PathLike], settings: ModelSetting
         ctx = new_context(model, settings, stack, n_seq=n_seq, name=path.name)
         runtime = cls(model, ctx, path.name, stack, "", settings.rollback, n_seq=n_seq)
         runtime.identity = identity(path, settings, runtime, mtp)
-        runtime.settings, runtime.n_seq = settings, n_seq
+        runtime.settings = settings
         if mtp:
             try:
                 runtime.mtp_head = MtpHead(runtime, settings, stack)
@@ -68,7 +68,7 @@ def sibling_runtime(runtime: Any) -> Any:
         ctx = new_context(model, runtime.settings, stack, n_seq=runtime.n_seq, name=runtime.name)
         twin = type(runtime)(model, ctx, runtime.name, stack, runtime.identity, runtime.settings.rollback,
                              n_seq=runtime.n_seq)
-        twin.settings, twin.n_seq = runtime.settings, runtime.n_seq
+        twin.settings = runtime.settings
         twin.memory_use = MemoryUse(max(0, resident_bytes() - ram0), max(0, gpu_free0 - gpu_free()))
         return twin
     except BaseException:
