@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import logging
 import math
-import statistics
 import time
 from collections.abc import Callable
 from typing import Optional, Union
@@ -318,7 +317,8 @@ def measure_costs(target: Model, draft: Optional[Drafter], max_verify: int = MAX
 
 def quick_costs(target: Model, draft: Optional[Drafter]) -> tuple[float, Optional[float]]:
     """A few live decodes to check a cached curve against: (one target token, one draft step),
-    each the median of three. Clears both caches."""
+    each the fastest of three, as the curve keeps the fastest of its repeats (a median would
+    read a moment's disturbance as a slower machine). Clears both caches."""
     context = target.tokenize(PROBE_TEXT, add_special=False)[:N_CONTEXT + 4]
     out: list[Optional[float]] = []
     for model in (target, draft):
@@ -329,7 +329,7 @@ def quick_costs(target: Model, draft: Optional[Drafter]) -> tuple[float, Optiona
             model.truncate(0)
             model.decode(context[:N_CONTEXT])
             _time_decode(model, N_CONTEXT, context[N_CONTEXT:], 1, 1)
-            out.append(statistics.median(_time_decode(model, N_CONTEXT, context[N_CONTEXT:], 1, 3)))
+            out.append(min(_time_decode(model, N_CONTEXT, context[N_CONTEXT:], 1, 3)))
         finally:
             model.truncate(0)
     assert out[0] is not None

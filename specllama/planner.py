@@ -91,8 +91,7 @@ class Planner:
         problem = "not measured on this machine yet" if record is None else records.costs_problem(
             record["verify"], record["draft_token"], record.get("v1_repeats", ()), record.get("draft_repeats", ()))
         if record is not None and problem is None:
-            v1_now, draft_now = quick_costs(self.target, self.draft)
-            problem = records.stale(record, v1_now, draft_now if self.draft is not None else None)
+            problem = self._stale(record)
             if problem is not None:
                 log.info("%s: the cached decode costs no longer describe this machine (%s); measuring them again "
                          "when idle", self.target.name, problem)
@@ -101,6 +100,16 @@ class Planner:
             self._costs, self.costs_record = Costs(tuple(record["verify"]), record["draft_token"]), record
         else:
             self.idle.add(Task("costs", self._measure_costs, what="the decode-cost curve", takes_context=True))
+
+    def _stale(self, record: dict) -> Optional[str]:
+        """Why live decodes disagree with a cached curve, or None; a disagreement is timed again
+        before it counts, so one disturbed moment at load does not discard a good curve."""
+        v1_now, draft_now = quick_costs(self.target, self.draft)
+        if records.stale(record, v1_now, draft_now) is None:
+            return None
+        v1_again, draft_again = quick_costs(self.target, self.draft)
+        return records.stale(record, min(v1_now, v1_again),
+                             None if draft_now is None or draft_again is None else min(draft_now, draft_again))
 
     def costs(self, measure: bool = False) -> Optional[Costs]:
         """The decode costs in use (None: not measured yet); measure=True measures them now."""
