@@ -44,13 +44,17 @@ class Turns:
 
     def __init__(self) -> None:
         self._cv = threading.Condition()
-        self._held = False
+        self._holder: Optional[int] = None  # the thread holding the turn
         self._queue: deque[object] = deque()
+
+    @property
+    def _held(self) -> bool:
+        return self._holder is not None
 
     def acquire(self, blocking: bool = True) -> bool:
         with self._cv:
             if not self._held and not self._queue:
-                self._held = True
+                self._holder = threading.get_ident()
                 return True
             if not blocking:
                 return False
@@ -64,13 +68,25 @@ class Turns:
                 self._cv.notify_all()
                 raise
             self._queue.popleft()
-            self._held = True
+            self._holder = threading.get_ident()
             return True
 
     def release(self) -> None:
+        """Give the turn up; a no-op for a thread not holding it (one whose pass_turn() was
+        interrupted while it waited to take the turn back)."""
         with self._cv:
-            self._held = False
-            self._cv.notify_all()
+            if self._holder == threading.get_ident():
+                self._holder = None
+                self._cv.notify_all()
+
+    def pass_turn(self) -> None:
+        """(the turn held) Let the threads waiting for it go first, then take it back: a long
+        prefill does this between its chunks, so the requests streaming beside it go on."""
+        with self._cv:
+            if not self._queue or self._holder != threading.get_ident():
+                return
+        self.release()
+        self.acquire()
 
     def __enter__(self) -> "Turns":
         self.acquire()
@@ -91,6 +107,13 @@ class Slot:
     draft_cache: Optional[PromptCache]
     owner: Optional[int] = None  # the thread generating in it (None: free)
     n_bytes: int = 0  # what making it took (RAM); 0 for the first slot
+
+    def between_chunks(self, call: Optional[Callable[[], None]]) -> None:
+        """What this slot's runtimes call between the chunks of a long decode (None: nothing);
+        set only while a generation owns the slot, as nothing else decodes in it then."""
+        for runtime in (self.target, self.draft):
+            if runtime is not None and hasattr(runtime, "between_chunks"):
+                runtime.between_chunks = call
 
     def close(self) -> None:
         for runtime in (self.draft, self.target):
@@ -122,20 +145,14 @@ class Slots:
         free = [slot for slot in self.all if slot.owner is None]
         return max(free, key=lambda slot: common_prefix(slot.target.cached, prompt), default=None)
 
-    def can_grow(self, n_growing: int = 0) -> bool:
-        """Whether one more slot may be made now (n_growing being made already): under n_max
-        and with the RAM it takes."""
-        if len(self.all) + n_growing >= self.n_max:
-            return False
+    def ram_short(self) -> str:
+        """Why the RAM free now is too little for one more slot ("" where it is enough)."""
         last = self.more[-1].n_bytes if self.more else 0
         free = psutil.virtual_memory().available
         if last and free < RAM_HEADROOM * last:
-            self.n_max = len(self.all)
-            log.warning("%s: %.0f MiB of RAM free, under %.0fx the %.0f MiB a slot takes; serving at most %d "
-                        "requests at once", self.first.target.name, free / 2**20, RAM_HEADROOM, last / 2**20,
-                        self.n_max)
-            return False
-        return True
+            return (f"{free / 2**20:.0f} MiB of RAM free, under {RAM_HEADROOM:.0f}x the {last / 2**20:.0f} MiB a "
+                    "slot takes")
+        return ""
 
     def grow(self) -> Slot:
         """A new slot: contexts on the same models (call with the models' turn held: llama.cpp
@@ -207,10 +224,12 @@ class Pool:
                 while slot is None:  # a new slot, made in the models' turn
                     slot = self._grow(me, prompt, check_open)
                 check_open()  # closed while it waited to start
+                slot.between_chunks(self.turn.pass_turn)
                 yield slot
         finally:
             with self._cv:
                 if slot is not None:
+                    slot.between_chunks(None)
                     slot.owner = None
                 self.streams.discard(stream)
                 self.n_generating -= 1
@@ -228,9 +247,14 @@ class Pool:
             if slot is not None:
                 slot.owner = me
                 return slot
-            if self.slots.can_grow(self._n_growing):
-                self._n_growing += 1
-                return None
+            if len(self.slots.all) + self._n_growing < self.slots.n_max:
+                short = self.slots.ram_short()
+                if not short:
+                    self._n_growing += 1
+                    return None
+                self.slots.n_max = len(self.slots.all)
+                log.warning("%s: %s; serving at most %d requests at once", self.slots.first.target.name, short,
+                            self.slots.n_max)
             if all(s.owner == me for s in self.slots.all) and not self._n_growing:
                 n = len(self.slots.all)
                 why = f" ({self.slots.note})" if self.slots.note else ""

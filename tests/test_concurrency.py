@@ -4,6 +4,9 @@ models, real llama.cpp, and a real server with the openai client."""
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 import threading
 import time
 
@@ -12,6 +15,7 @@ import pytest
 
 import specllama
 from conftest import SERVER_KEY, SETTINGS
+from prompts import LONG_STORY
 from specllama.slots import Turns
 
 ASKS = ["Write a Python function that reverses a linked list.", "Give a four-word title for: baking sourdough bread",
@@ -72,9 +76,13 @@ def test_four_greedy_requests_at_once_each_equal_their_solo_run(pair, plain, pro
     """Different prompts and two identical ones, at the bitwise level: each equals plain
     decoding of its prompt alone, and they really ran side by side (four slots)."""
     solo = [plain.generate(p, max_tokens=40).tokens for p in prompts]
+    before = pair.prompt_cache_info()["target"]
     results = at_once(pair, prompts, max_tokens=40, exact="bitwise")
     assert [r.tokens for r in results] == solo
     assert sorted(r.stats.slot for r in results) == [0, 1, 2, 3]
+    info = pair.prompt_cache_info()  # every slot's prefills counted
+    assert info["slots"] == 4
+    assert info["target"]["hits"] + info["target"]["misses"] == before["hits"] + before["misses"] + 4
 
 
 def test_at_the_default_level_requests_at_once_differ_only_at_counted_near_ties(pair, plain, prompts):
@@ -112,6 +120,61 @@ def test_generate_batch_and_submit(pair, plain, prompts):
     assert future.result(120).tokens == solo[2]
     with pytest.raises(specllama.InvalidParameterError, match="max_tokens"):
         pair.generate_batch(prompts, max_tokens=-3)  # checked before anything decodes
+
+
+def test_a_long_prompt_beside_a_stream_is_prefilled_between_its_rounds(model_paths):
+    """A request with a prompt of four prefill chunks arrives while another streams: its chunks
+    take turns with the stream's rounds (the stream's longest gap is about one chunk, not the
+    whole prefill), and the chunks are the ones a prefill alone decodes (bitwise equal). The
+    small model: the turns are the same whatever the model, and its chunks take a second."""
+    settings = dict(SETTINGS, exact="bitwise")
+    with specllama.load(model_paths["smollm2"], **settings) as alone, \
+            specllama.load(model_paths["smollm2"], **settings) as llm:
+        long_prompt = llm.chat_tokens([{"role": "user", "content": LONG_STORY * 4 + "Continue the story."}])
+        assert len(long_prompt) > 3 * 512, len(long_prompt)  # four chunks of n_batch
+        expected = alone.generate(long_prompt, max_tokens=4)
+        stamps: list[float] = []
+        started, done = threading.Event(), threading.Event()
+
+        def streaming():
+            for _ in llm.stream("Count from one to two hundred in words:", max_tokens=1500):
+                stamps.append(time.perf_counter())
+                if len(stamps) == 3:
+                    started.set()
+                if done.is_set():
+                    break
+
+        thread = threading.Thread(target=streaming)
+        thread.start()
+        assert started.wait(120)
+        t0 = time.perf_counter()
+        result = llm.generate(long_prompt, max_tokens=4)
+        t1 = time.perf_counter()
+        done.set()
+        thread.join(300)
+    during = [b - a for a, b in zip(stamps, stamps[1:]) if t0 <= b and a <= t1]
+    print(f"\nprefill of {len(long_prompt)} tokens: {expected.stats.t_prefill:.2f} s alone, "
+          f"{result.stats.t_prefill:.2f} s beside a stream, whose longest gap meanwhile was {max(during):.2f} s")
+    assert result.tokens == expected.tokens and result.stats.n_prompt_cached == 0
+    assert len(during) >= 3 and max(during) < 0.6 * result.stats.t_prefill
+
+
+def test_bench_parallel_reports_requests_at_once_against_one_at_a_time(model_paths, tmp_path):
+    """`specllama bench --parallel 3`: the aggregate and the waits for a first token, at once and
+    one after another. Sent together, the last request's first token comes after the others'
+    first rounds, not after their whole answers."""
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": ask}) + "\n" for ask in ASKS[:3]))
+    out = subprocess.run([sys.executable, "-m", "specllama", "bench", str(model_paths["smollm2"]), "--draft", "none",
+                          "--prompts", str(prompts), "-n", "48", "--repeats", "1", "--parallel", "3", "--json",
+                          "--ctx", "1024", "-t", str(SETTINGS["n_threads"])], capture_output=True, text=True,
+                         timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    parallel = json.loads(out.stdout)["parallel"]
+    assert parallel["n_requests"] == 3
+    together, apart = parallel["at_once"], parallel["one_at_a_time"]
+    assert together["tokens_per_s"] > 0 and apart["tokens_per_s"] > 0
+    assert together["longest_first_token_s"] < apart["longest_first_token_s"]
 
 
 def test_one_request_at_a_time_where_slots_cannot_be_made(tiny_paths):

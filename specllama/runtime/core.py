@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from contextlib import ExitStack
 from dataclasses import dataclass
 from typing import Any, Optional, Union
@@ -82,6 +82,9 @@ class Runtime(Vocab, TreeDecoding):
         self.mtp_note = ""  # why they could not be loaded
         self.settings: Optional[ModelSettings] = None  # what load() made the context with (None: borrowed)
         self.n_seq = n_seq
+        # called between the chunks of a long decode (a slot's generation passes the models'
+        # turn there); the chunks are the same with or without it
+        self.between_chunks: Optional[Callable[[], None]] = None
         self._memory.clear()
 
     @classmethod
@@ -169,6 +172,8 @@ class Runtime(Vocab, TreeDecoding):
         self._memory.before_decode(n_past, len(tokens))
         try:
             for start, end in chunk_bounds(n_past, len(tokens), self.n_batch, aligned):
+                if start and self.between_chunks is not None:  # the same chunks, others' rounds between
+                    self.between_chunks()
                 # logits are only kept for the final chunk; all requested rows must be in it
                 self._batch.fill(tokens[start:end], n_past + start, max(0, n_logits - (len(tokens) - end)))
                 self._check(llama_cpp.llama_decode(self._ctx.ptr, self._batch.c), n_past + start, end - start)
