@@ -34,10 +34,8 @@ def load_runtime(cls: Any, path: Union[str, os.PathLike], settings: ModelSetting
         ram0, gpu_free0 = resident_bytes(), gpu_free()
         model = load_model(path, settings, stack, mtp)
         n_seq = 1 if mtp else n_branches
-        ctx = new_context(model, settings, stack, n_seq=n_seq, name=path.name)
-        runtime = cls(model, ctx, path.name, stack, "", settings.rollback, n_seq=n_seq)
+        runtime = _on_new_context(cls, model, settings, stack, path.name, "", n_seq)
         runtime.identity = identity(path, settings, runtime, mtp)
-        runtime.settings = settings
         if mtp:
             try:
                 runtime.mtp_head = MtpHead(runtime, settings, stack)
@@ -65,15 +63,22 @@ def sibling_runtime(runtime: Any) -> Any:
     try:
         ram0, gpu_free0 = resident_bytes(), gpu_free()
         model = Handle(runtime._model.ptr, None, runtime._model.what, None)  # the original frees it
-        ctx = new_context(model, runtime.settings, stack, n_seq=runtime.n_seq, name=runtime.name)
-        twin = type(runtime)(model, ctx, runtime.name, stack, runtime.identity, runtime.settings.rollback,
-                             n_seq=runtime.n_seq)
-        twin.settings = runtime.settings
+        twin = _on_new_context(type(runtime), model, runtime.settings, stack, runtime.name, runtime.identity,
+                               runtime.n_seq)
         twin.memory_use = MemoryUse(max(0, resident_bytes() - ram0), max(0, gpu_free0 - gpu_free()))
         return twin
     except BaseException:
         stack.close()
         raise
+
+
+def _on_new_context(cls: Any, model: Handle, settings: ModelSettings, stack: ExitStack, name: str, key: str,
+                    n_seq: int) -> Any:
+    """A Runtime (cls) on a new context of model, made with settings for n_seq sequences."""
+    ctx = new_context(model, settings, stack, n_seq=n_seq, name=name)
+    runtime = cls(model, ctx, name, stack, key, settings.rollback, n_seq=n_seq)
+    runtime.settings = settings
+    return runtime
 
 
 def borrow_runtime(cls: Any, llama: "llama_cpp.Llama") -> Any:
