@@ -4,8 +4,10 @@ on the one generate path, in a slot of its own (slots.py)."""
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Optional
 
 if TYPE_CHECKING:
@@ -55,3 +57,50 @@ def _finish(stream: "Stream") -> "Result":
         pass
     assert stream.result is not None
     return stream.result
+
+
+@dataclass(frozen=True)
+class Timing:
+    """One streamed request of time_requests(), in seconds from the moment all were sent."""
+
+    first_token_s: float
+    total_s: float
+    n_tokens: int
+    text: str
+
+
+def time_requests(llm: Any, prompts: Sequence["Prompt"], together: bool, **options: Any) -> tuple[list[Timing], float]:
+    """Stream every prompt, sent at the same moment: at once (a thread each) or one after another
+    (each waiting for the one before, as a server with one slot makes them). The Timings in the
+    prompts' order, and the seconds until the last ended. For benchmarks and `bench --parallel`."""
+    timings: list[Optional[Timing]] = [None] * len(prompts)
+    errors: list[BaseException] = []
+    t0 = time.perf_counter()
+
+    def one(i: int) -> None:
+        first, texts, n_tokens = None, [], 0
+        try:
+            for chunk in llm.stream(prompts[i], **options):
+                if first is None and chunk.tokens:
+                    first = time.perf_counter() - t0
+                texts.append(chunk.text)
+                n_tokens += len(chunk.tokens)
+        except BaseException as e:  # raised in the caller's thread below
+            errors.append(e)
+            return
+        end = time.perf_counter() - t0
+        timings[i] = Timing(end if first is None else first, end, n_tokens, "".join(texts))
+
+    if together:
+        threads = [threading.Thread(target=one, args=(i,), daemon=True) for i in range(len(prompts))]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            while thread.is_alive():
+                thread.join(0.2)  # Ctrl-C reaches the calling thread meanwhile
+    else:
+        for i in range(len(prompts)):
+            one(i)
+    if errors:
+        raise errors[0]
+    return [t for t in timings if t is not None], time.perf_counter() - t0

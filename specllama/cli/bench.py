@@ -9,6 +9,7 @@ from typing import Any
 
 import click
 
+from ..batch import time_requests
 from .app import main
 from .options import ModelChoice, model_options
 from .run import first_use
@@ -22,16 +23,21 @@ from .run import first_use
 @click.option("--repeats", type=click.IntRange(min=1), default=3, show_default=True,
               help="Runs of every configuration, in a rotating order (machine drift spreads over all).")
 @click.option("--raw", is_flag=True, help='Send "prompt" lines as they are, without the chat template.')
+@click.option("--parallel", "-np", "n_parallel", type=click.IntRange(1, 64), default=1, show_default=True,
+              help="Also run this many requests at once (the prompts in turn) against one at a time, as a "
+                   "server with --parallel N would.")
 @click.option("--json", "as_json", is_flag=True)
-def bench_cmd(choice: ModelChoice, prompts_file: str, max_tokens: int, repeats: int, raw: bool,
+def bench_cmd(choice: ModelChoice, prompts_file: str, max_tokens: int, repeats: int, raw: bool, n_parallel: int,
               as_json: bool) -> None:
     """Run your own prompts plain vs speculative (auto and fixed lengths) and recommend settings.
 
     Each configuration runs --repeats times, the order rotating from one repeat to the next; a
     speedup is the median over repeats of its rate against plain decoding's in the same repeat,
-    with the spread. "prompt" lines get the chat template as `run` does (--raw: not)."""
+    with the spread. "prompt" lines get the chat template as `run` does (--raw: not). With
+    --parallel N, N requests then run at once and one after another, alternating: the aggregate
+    tokens per second and each request's wait for its first token."""
     prompts = _read(prompts_file)
-    with choice.open() as llm:
+    with choice.open(n_parallel=n_parallel) as llm:
         first_use(llm)
         configs: list[Any] = [0, "auto"] + ([2, 4, 8] if llm.speculates else [])
         use_chat = not raw and llm.target.chat_template() is not None
@@ -57,7 +63,36 @@ def bench_cmd(choice: ModelChoice, prompts_file: str, max_tokens: int, repeats: 
                         bar.update(1)
                 for config in configs:
                     rates[config].append(n[config] / t[config] if t[config] else 0.0)
-    _report(choice, configs, rates, ties, capped, as_json)
+        at_once = _at_once(llm, [inputs[i % len(inputs)] for i in range(n_parallel)], max_tokens, repeats) \
+            if n_parallel > 1 else None
+    _report(choice, configs, rates, ties, capped, as_json, at_once)
+
+
+def _at_once(llm: Any, inputs: list[list[int]], max_tokens: int, repeats: int) -> dict[str, Any]:
+    """len(inputs) requests at once and one after another, alternating which goes first: the
+    medians over repeats of the aggregate tokens per second, the median and the longest wait
+    for a first token (from the moment all were sent), and the one-after-another results."""
+    runs: dict[bool, list[tuple[float, float, float]]] = {True: [], False: []}
+    with click.progressbar(length=2 * repeats, label=f"{len(inputs)} requests at once", file=sys.stderr) as bar:
+        for repeat in range(repeats):
+            for together in ((True, False) if repeat % 2 == 0 else (False, True)):
+                runs[together].append(_requests(llm, inputs, max_tokens, together))
+                bar.update(1)
+
+    def summary(together: bool) -> dict[str, float]:
+        rates, waits, longest = zip(*runs[together])
+        return {"tokens_per_s": statistics.median(rates), "first_token_s": statistics.median(waits),
+                "longest_first_token_s": statistics.median(longest)}
+
+    return {"n_requests": len(inputs), "at_once": summary(True), "one_at_a_time": summary(False)}
+
+
+def _requests(llm: Any, inputs: list[list[int]], max_tokens: int, together: bool) -> tuple[float, float, float]:
+    """(aggregate tokens per second, median and longest wait for a first token) of the inputs
+    streamed at once or one after another, all sent at the same moment."""
+    timings, wall = time_requests(llm, inputs, together, max_tokens=max_tokens)
+    firsts = [t.first_token_s for t in timings]
+    return sum(t.n_tokens for t in timings) / wall, statistics.median(firsts), max(firsts)
 
 
 def _read(prompts_file: str) -> list[dict]:
@@ -78,7 +113,7 @@ def _read(prompts_file: str) -> list[dict]:
 
 
 def _report(choice: ModelChoice, configs: list[Any], rates: dict[Any, list[float]], ties: dict[Any, int],
-            capped: dict[Any, int], as_json: bool) -> None:
+            capped: dict[Any, int], as_json: bool, at_once: Any = None) -> None:
     speedups = {c: [r / p if p else 0.0 for r, p in zip(rates[c], rates[0])] for c in configs}
     rows: list[dict[str, Any]] = [{"n_draft": "plain" if c == 0 else c, "tokens_per_s": statistics.median(rates[c]),
              "speedup": statistics.median(speedups[c]), "spread": [min(speedups[c]), max(speedups[c])],
@@ -90,7 +125,7 @@ def _report(choice: ModelChoice, configs: list[Any], rates: dict[Any, list[float
         best = 0
     if as_json:
         click.echo(json.dumps({"results": rows, "recommended_n_draft": best, "fidelity": str(choice.exact),
-                               "noise": noise}))
+                               "noise": noise, **({"parallel": at_once} if at_once else {})}))
         return
     click.echo(f"{'n_draft':>8} {'tok/s':>8} {'speedup':>8} {'spread':>13} {'near-ties':>9}   "
                f"(fidelity: {choice.exact}; plain decoding's own runs vary by {noise:.0%})")
@@ -105,3 +140,9 @@ def _report(choice: ModelChoice, configs: list[Any], rates: dict[Any, list[float
     else:
         click.echo(f"recommended: --n-draft {best}" + (f" (drafts {capped[best]} at this fidelity level)"
                                                        if best in capped else ""))
+    if at_once:
+        click.echo(f"{at_once['n_requests']} requests sent together (n_draft auto):")
+        for key, label in (("one_at_a_time", "one at a time"), ("at_once", "at once")):
+            row = at_once[key]
+            click.echo(f"  {label:>14}: {row['tokens_per_s']:6.1f} tok/s in all; first token after "
+                       f"{row['first_token_s']:.2f} s (median), {row['longest_first_token_s']:.2f} s (longest)")
