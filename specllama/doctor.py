@@ -89,7 +89,8 @@ def model_report(llm: Any, n_groups: int = 3) -> dict:
             "costs_ms": {"v": {n: round(costs.v(n) * 1000, 1) for n in (1, 2, 3, 4, 8, 16)},
                          "draft_token": round(costs.draft_token * 1000, 1)},
             "costs_measured": records.describe(llm.planner.costs_record),
-            "verdict": verdict(costs, k_max, draft is not None)}
+            "verdict": verdict(costs, k_max, draft is not None),
+            "slots": {"n_max": llm.pool.slots.n_max, "note": llm.pool.slots.note}}
 
 
 def memory_report(target: "Runtime") -> dict:
@@ -166,4 +167,10 @@ def print_report(report: dict) -> list[str]:
                      + (f"; draft {m['costs_ms']['draft_token']} a token" if m["draft"] else "")
                      + f" ({m['costs_measured']})")
         lines.append(f"  verdict: {m['verdict']}")
+        slots = m.get("slots")
+        if slots:
+            lines.append(f"  requests at once: one at a time ({slots['note']})" if slots["n_max"] == 1 else
+                         f"  requests at once: up to {slots['n_max']} (n_parallel), each in contexts of its own on "
+                         "the shared weights (a KV cache and compute buffers more, made when a request needs "
+                         "them); their rounds take turns, so each output is the one it has alone")
     return lines

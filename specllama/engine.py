@@ -165,11 +165,13 @@ class SpecLlama(LlamaApi, BatchApi):
         return b"".join(self.target.piece(t) for t in tokens).decode("utf-8", errors="replace")
 
     def prompt_cache_info(self) -> dict:
-        """The prompt caches' counters: hits, misses, tokens reused, states saved in RAM."""
+        """The prompt caches' counters, all slots together: hits, misses, tokens reused, states
+        saved in RAM; and how many slots there are now."""
+        more = self.pool.slots.more
         out = {"budget_bytes": self.prompt_cache_budget.n_bytes, "evicted": self.prompt_cache_budget.n_evicted,
-               "target": self.target_cache.as_dict()}
+               "slots": 1 + len(more), "target": self.target_cache.as_dict(*(s.target_cache for s in more))}
         if self.draft_cache is not None:
-            out["draft"] = self.draft_cache.as_dict()
+            out["draft"] = self.draft_cache.as_dict(*(s.draft_cache for s in more if s.draft_cache is not None))
         return out
 
     def close(self) -> None:

@@ -172,7 +172,11 @@ class PromptCache:
             log.info("%s: a sequence state of %.0f MiB is over the prompt cache's budget of %.0f MiB; not kept",
                      rt.name, state.n_bytes / 2**20, self.budget.n_bytes / 2**20)
 
-    def as_dict(self) -> dict:
-        return {"hits": self.n_hits, "misses": self.n_misses, "tokens_reused": self.n_reused,
-                "saved": self.n_saved, "restored": self.n_restored, "states": len(self.saved),
+    def as_dict(self, *slots: "PromptCache") -> dict:
+        """The counters, with those of the given caches of other slots of this model added (the
+        saved states are one model's, shared by its slots)."""
+        caches = (self, *slots)
+        return {"hits": sum(c.n_hits for c in caches), "misses": sum(c.n_misses for c in caches),
+                "tokens_reused": sum(c.n_reused for c in caches), "saved": sum(c.n_saved for c in caches),
+                "restored": sum(c.n_restored for c in caches), "states": len(self.saved),
                 "bytes": sum(s.n_bytes for s in self.saved)}

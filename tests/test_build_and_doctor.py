@@ -99,3 +99,4 @@ def test_doctor_with_a_model_gives_fidelity_costs_and_a_verdict(model_paths):
     assert m["costs_ms"]["v"]["1"] > 0 and m["costs_ms"]["draft_token"] > 0
     assert m["verdict"].startswith(("a draft can pay here", "a draft cannot"))
     assert "weights" in m["memory_plan"]
+    assert m["slots"] == {"n_max": 4, "note": ""}

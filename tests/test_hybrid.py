@@ -208,6 +208,7 @@ def test_doctor_says_which_rollback_a_model_gets_and_whether_it_has_mtp_heads(ti
     assert "rollback: seq_rm" in attention and "MTP heads: none" in attention
     assert "tree verify: no, chains only (a recurrent state is one per sequence)" in hybrid
     assert "tree verify: yes, up to 8 branches in one pass" in attention
+    assert "requests at once: up to 4 (n_parallel), each in contexts of its own" in attention
 
 
 def test_a_build_without_the_mtp_functions_says_so_and_decodes_plainly(tiny_paths, expected, monkeypatch, caplog):

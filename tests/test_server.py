@@ -178,6 +178,9 @@ def test_metrics_in_prometheus_format(server, client):
     assert values["specllama_drafted_tokens_total"] > 0 and "specllama_accepted_tokens_total" in values
     assert values['specllama_requests_total{endpoint="/v1/chat/completions",status="200"}'] >= 1
     assert values['specllama_phase_seconds_total{phase="verify"}'] > 0
+    # each request that drafted, by the share the target accepted
+    assert values["specllama_request_acceptance_count"] >= 1
+    assert values['specllama_request_acceptance_bucket{le="1.0"}'] == values["specllama_request_acceptance_count"]
 
 
 def test_a_second_turn_reuses_the_prompt_cache_and_starts_sooner(server, client):

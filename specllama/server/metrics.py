@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 
 class Metrics:
@@ -28,6 +28,9 @@ class Metrics:
         self.drafted_tokens = Counter("specllama_drafted_tokens", "Tokens drafted", registry=r)
         self.accepted_tokens = Counter("specllama_accepted_tokens", "Drafted tokens the target accepted", registry=r)
         self.near_ties = Counter("specllama_near_ties", "Greedy tokens decided at a near-tie (fidelity)", registry=r)
+        self.acceptance = Histogram("specllama_request_acceptance",
+                                    "Each drafting request's share of drafted tokens the target accepted",
+                                    buckets=(0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0), registry=r)
         self.seconds = Counter("specllama_phase_seconds", "Time spent per phase", ["phase"], registry=r)
         self.active = Gauge("specllama_requests_active", "Generations running now, each in a slot of its own",
                             registry=r)
@@ -44,6 +47,8 @@ class Metrics:
         self.generated_tokens.inc(stats.n_generated)
         self.drafted_tokens.inc(stats.n_drafted)
         self.accepted_tokens.inc(stats.n_accepted)
+        if stats.n_drafted:
+            self.acceptance.observe(stats.n_accepted / stats.n_drafted)
         self.near_ties.inc(stats.near_ties or 0)
         for phase, seconds in (("prefill", stats.t_prefill + stats.t_draft_prefill), ("draft", stats.t_draft),
                                ("verify", stats.t_verify),
