@@ -71,3 +71,13 @@ def served(model_paths, tmp_path_factory):
     with serve(model_paths["target"], log, "--draft", str(model_paths["draft"]), "--api-key", SERVER_KEY,
                "--model-id", SERVER_MODEL) as running:
         yield running
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests marked slow (minutes each, covered in part by faster ones) run with SPECLLAMA_SLOW=1."""
+    if os.environ.get("SPECLLAMA_SLOW") == "1":
+        return
+    skip = pytest.mark.skip(reason="slow: set SPECLLAMA_SLOW=1 to run it")
+    for item in items:
+        if "slow" in item.keywords:
+            item.add_marker(skip)

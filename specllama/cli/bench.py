@@ -73,6 +73,9 @@ def _at_once(llm: Any, inputs: list[list[int]], max_tokens: int, repeats: int) -
     medians over repeats of the aggregate tokens per second, the median and the longest wait
     for a first token (from the moment all were sent), and the one-after-another results."""
     runs: dict[bool, list[tuple[float, float, float]]] = {True: [], False: []}
+    # untimed: the slots beyond the first are made when first needed, and each then holds a
+    # prompt, as the one slot of one-at-a-time does after the table's runs
+    time_requests(llm, inputs, True, max_tokens=1)
     with click.progressbar(length=2 * repeats, label=f"{len(inputs)} requests at once", file=sys.stderr) as bar:
         for repeat in range(repeats):
             for together in ((True, False) if repeat % 2 == 0 else (False, True)):
