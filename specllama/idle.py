@@ -88,6 +88,9 @@ class Task:
     # it decodes from position 0 (the conversation is saved to RAM first): it runs after the
     # work that measures on the live conversation's own tokens, which it would take away
     takes_context: bool = False
+    # how deep into the live conversation it measures (a KV group): a probe leaves the cache cut
+    # at its own depth, so deeper ones run first, while the conversation still reaches them
+    depth: int = 0
 
 
 class IdleWork:
@@ -141,10 +144,10 @@ class IdleWork:
 
     def _first_ready(self, skip: Optional[set[str]] = None) -> Optional[Task]:
         """The task to run next: one that can run now, those measuring on the live conversation
-        before those that take the context from it."""
+        (deepest first) before those that take the context from it."""
         skip = skip or set()
         tasks = sorted((t for t in list(self._tasks.values()) if t.key not in skip and t.n_tries < self.MAX_TRIES),
-                       key=lambda t: t.takes_context)
+                       key=lambda t: (t.takes_context, -t.depth))
         return next((t for t in tasks if t.ready()), None)
 
     def close(self) -> None:

@@ -182,7 +182,7 @@ class Planner:
             self.batch_diffs.groups[group] = measure_batch_diffs(self.target, at, bound, stop, "probe while idle")
 
         self.idle.add(Task(f"fidelity|{group}|{bound}", run, lambda: self._probe_at(group, MAX_VERIFY) is not None,
-                           what=f"the verify limit at {group_label(group)}"))
+                           what=f"the verify limit at {group_label(group)}", depth=group))
 
     def _want_reuse(self, n_past: int) -> None:
         group = kv_group(kv_length(n_past + 1, self.target.n_ctx))
@@ -195,7 +195,7 @@ class Planner:
             self.reuse_diffs.groups[group] = measure_reuse_diffs(self.target, at, stop)
 
         self.idle.add(Task(f"reuse|{group}", run, lambda: self._probe_at(group, 13) is not None,
-                           what=f"the reuse difference at {group_label(group)}"))
+                           what=f"the reuse difference at {group_label(group)}", depth=group))
 
     def want_catch_up(self) -> None:
         """After a generation: the reuse difference where the conversation now ends is queued (the

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+
 from specllama import records
 
 QUIET = [0.035 + 0.008 * (n - 1) for n in range(1, 18)]  # a Q4_K_M 1.5B on 2 quiet cores
@@ -55,3 +57,26 @@ def test_records_carry_when_and_how(tmp_path, monkeypatch):
     stored = records.write("costs|x", records.costs_value(QUIET, 0.012), "probe while idle")
     assert records.read("costs|x") == stored and stored["how"] == "probe while idle" and stored["measured_at"]
     assert "probe while idle" in records.describe(stored) and records.describe(None) == "not measured yet"
+
+
+def test_idle_probes_on_the_conversation_run_deepest_first():
+    """A probe leaves the cache cut at its own depth: run shallow first, and a deeper one queued
+    beside it no longer finds a conversation long enough (as CI saw: the limit at KV 768-1024
+    was never measured because the one at 512-768 ran before it)."""
+    from specllama.idle import IdleWork, Task
+
+    cache = {"length": 1000}  # the live conversation reaches group 2 (KV 768-1024)
+    ran = []
+
+    def probe(group, at):
+        def run(stop):
+            ran.append(group)
+            cache["length"] = at  # cut where it measured
+        return Task(f"probe|{group}", run, lambda: cache["length"] > at, depth=group)
+
+    idle = IdleWork(threading.Lock(), lambda: False, start=False)
+    idle.add(Task("costs", lambda stop: cache.update(length=0), takes_context=True))
+    idle.add(probe(1, 520))
+    idle.add(probe(2, 780))
+    assert idle.warm_up() == ["probe|2", "probe|1", "costs"]
+    assert ran == [2, 1]
