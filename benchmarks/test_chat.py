@@ -8,7 +8,8 @@ tokens per answer, streamed, 2 threads. Per turn: time to the first token and tu
 specllama (defaults: the draft model, auto n_draft, the rounding level and its prompt cache)
 and for llama_cpp.Llama (plain decoding, same n_ctx/n_batch/threads/flash attention, its
 longest-prefix reuse),
-in the same process, one after the other. specllama starts from an empty calibration folder,
+in the same process, one after the other (specllama first; SPECLLAMA_BENCH_FIRST=theirs swaps
+them, to tell an order effect from a gap). specllama starts from an empty calibration folder,
 so its first-use measurements are inside these figures; each turn reports what they cost.
 Targets: the Qwen2.5-Coder 1.5B in F16 and Q4_K_M, drafted by the 0.5B Q4_K_M.
 """
@@ -33,6 +34,9 @@ N_CTX = 6144
 # flash attention on both sides alike: "off" is llama-cpp-python's default, "on" llama.cpp's
 # choice on this CPU when left to auto (specllama's default)
 FLASH_ATTN = os.environ.get("SPECLLAMA_BENCH_FLASH_ATTN", "off") == "on"
+# which side runs first in the process ("theirs": llama-cpp-python), to tell an order effect
+# (a cold page cache, clock changes) from a real gap on turn 1's long prefill
+THEIRS_FIRST = os.environ.get("SPECLLAMA_BENCH_FIRST", "ours") == "theirs"
 SOURCE = inspect.getsource(shlex)
 QUESTIONS = [
     "Explain in a few sentences what shlex.split does with posix=True versus posix=False.",
@@ -120,28 +124,40 @@ def test_four_turn_chat(bench_models, target, monkeypatch):
 
     monkeypatch.setenv("SPECLLAMA_HOME", tempfile.mkdtemp(prefix="specllama-bench-chat-"))
     path = bench_models[TARGETS[target]]
-    t0 = time.perf_counter()
-    with specllama.load(path, bench_models["draft"], n_ctx=N_CTX, n_threads=N_THREADS, flash_attn=FLASH_ATTN,
-                        idle_work=False) as llm:
-        load_s = time.perf_counter() - t0
-        first = chat_turns(ask_specllama(llm))
+
+    def run_ours():
         t0 = time.perf_counter()
-        idle_ran = llm.warm_up()  # the idle work a server or chat does between turns
-        idle_s = time.perf_counter() - t0
-        second = chat_turns(ask_specllama(llm))
-        cache = llm.prompt_cache_info()
-    llama = llama_cpp.Llama(str(path), n_ctx=N_CTX, n_batch=512, n_threads=N_THREADS, n_threads_batch=N_THREADS,
-                            flash_attn=FLASH_ATTN, verbose=False)
-    try:
-        theirs = chat_turns(ask_llama_cpp(llama))
-        theirs_again = chat_turns(ask_llama_cpp(llama))
-    finally:
-        llama.close()
-    row = {"benchmark": "chat", "target": target, "flash_attn": FLASH_ATTN, "load_s": load_s, "idle_s": idle_s,
+        with specllama.load(path, bench_models["draft"], n_ctx=N_CTX, n_threads=N_THREADS, flash_attn=FLASH_ATTN,
+                            idle_work=False) as llm:
+            load_s = time.perf_counter() - t0
+            first = chat_turns(ask_specllama(llm))
+            t0 = time.perf_counter()
+            idle_ran = llm.warm_up()  # the idle work a server or chat does between turns
+            idle_s = time.perf_counter() - t0
+            second = chat_turns(ask_specllama(llm))
+            return load_s, first, idle_ran, idle_s, second, llm.prompt_cache_info()
+
+    def run_theirs():
+        llama = llama_cpp.Llama(str(path), n_ctx=N_CTX, n_batch=512, n_threads=N_THREADS,
+                                n_threads_batch=N_THREADS, flash_attn=FLASH_ATTN, verbose=False)
+        try:
+            return chat_turns(ask_llama_cpp(llama)), chat_turns(ask_llama_cpp(llama))
+        finally:
+            llama.close()
+
+    if THEIRS_FIRST:
+        theirs, theirs_again = run_theirs()
+        load_s, first, idle_ran, idle_s, second, cache = run_ours()
+    else:
+        load_s, first, idle_ran, idle_s, second, cache = run_ours()
+        theirs, theirs_again = run_theirs()
+    row = {"benchmark": "chat", "target": target, "flash_attn": FLASH_ATTN, "first_side": "theirs" if THEIRS_FIRST
+           else "ours", "load_s": load_s, "idle_s": idle_s,
            "idle_ran": idle_ran, "first": first, "second": second, "llama_cpp": theirs,
            "llama_cpp_again": theirs_again, "cache": cache,
            "first_conversation": ratios(first, theirs), "second_conversation": ratios(second, theirs_again)}
-    out = ROOT / ".benchmarks" / f"chat-{target}-fa-{'on' if FLASH_ATTN else 'off'}.json"
+    order = "-theirs-first" if THEIRS_FIRST else ""
+    out = ROOT / ".benchmarks" / f"chat-{target}-fa-{'on' if FLASH_ATTN else 'off'}{order}.json"
     out.parent.mkdir(exist_ok=True)
     out.write_text(json.dumps(row, indent=1, default=str))
     print(f"\n{target}, flash attention {'on' if FLASH_ATTN else 'off'}: specllama vs llama_cpp.Llama, seconds "
