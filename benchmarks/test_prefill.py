@@ -2,10 +2,10 @@
 
     .venv/bin/python -m pytest benchmarks/test_prefill.py -s
 
-1,536 tokens of Python's shlex.py, the Q4_K_M test target, n_ctx 4096, n_batch 512, flash
-attention off, 2 threads, in one process, the two alternating over REPEATS rounds (this
-machine's run-to-run spread is larger than a small gap: compare within a round). Our Runtime
-with tree branches (as load() makes the target) and with chains only.
+1,536 tokens of Python's shlex.py (SPECLLAMA_BENCH_PREFILL_TOKENS sets it), the Q4_K_M test
+target, n_ctx 6144, n_batch 512, flash attention off, 2 threads, in one process, the two
+alternating over REPEATS rounds (this machine's run-to-run spread is larger than a small gap:
+compare within a round). Our Runtime with tree branches (as load() makes the target) and with chains only.
 """
 
 from __future__ import annotations
@@ -21,12 +21,13 @@ from specllama.runtime import Runtime
 from specllama.runtime.settings import ModelSettings
 
 N_THREADS = int(os.environ.get("SPECLLAMA_BENCH_THREADS", "2"))
-N_TOKENS = 1536
+N_TOKENS = int(os.environ.get("SPECLLAMA_BENCH_PREFILL_TOKENS", "1536"))  # at most the file's ~2,900
+N_CTX = 6144  # as benchmarks/test_chat.py
 REPEATS = 2
 
 
 def _ours(path, n_branches: int) -> float:
-    with Runtime.load(path, ModelSettings(n_ctx=4096, n_threads=N_THREADS, flash_attn=False),
+    with Runtime.load(path, ModelSettings(n_ctx=N_CTX, n_threads=N_THREADS, flash_attn=False),
                       n_branches=n_branches) as runtime:
         tokens = runtime.tokenize(inspect.getsource(shlex), add_special=True)[:N_TOKENS]
         t0 = time.perf_counter()
@@ -35,7 +36,7 @@ def _ours(path, n_branches: int) -> float:
 
 
 def _theirs(path) -> float:
-    llm = llama_cpp.Llama(str(path), n_ctx=4096, n_batch=512, n_threads=N_THREADS, flash_attn=False, verbose=False)
+    llm = llama_cpp.Llama(str(path), n_ctx=N_CTX, n_batch=512, n_threads=N_THREADS, flash_attn=False, verbose=False)
     try:
         tokens = llm.tokenize(inspect.getsource(shlex).encode())[:N_TOKENS]
         t0 = time.perf_counter()
