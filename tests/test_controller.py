@@ -316,7 +316,28 @@ def test_a_new_text_keeps_the_confidence_calibration_and_weakens_the_mean():
     low, measured = acc.predict(0.4), acc.mean_hits / acc.mean_seen
     acc.new_text()
     assert acc.predict(0.4) == low < 0.2
-    assert acc.mean_seen == acc.w and acc.mean() == pytest.approx((measured + 0.6) / 2)  # prior 0.6
+    # the prior it shrinks to is the pair's long-run acceptance (here the same texts': 1 in 2)
+    assert acc.long_run() == pytest.approx(0.5, abs=0.02)
+    assert acc.mean_seen == acc.w and acc.mean() == pytest.approx((measured + acc.long_run()) / 2)
+    assert Acceptance().mean() == 0.6  # a pair never judged
+
+
+def test_a_rejection_at_the_start_of_a_text_does_not_turn_off_a_pair_that_drafts_it_well():
+    """Code the pair drafts at 92%, generation after generation: a first draft rejected, or
+    a stretch of plain rounds, leaves the mean near the pair's record, not at a fixed prior
+    (0.6 is below what drafting needs on this CPU, so one rejection kept whole answers plain)."""
+    acc = Acceptance()
+    rng = np.random.default_rng(0)
+    for _ in range(60):
+        acc.age()
+        acc.observe([0.9] * 5, int(np.argmin(rng.random(5) < 0.92)) if rng.random() < 0.34 else 5)
+    acc.new_text()
+    acc.observe([0.9], 0)  # the first draft of the next answer is rejected
+    policy = Controller(OnlineCosts(F16_CPU, frozen=True), 8, has_draft=True, lookup=False, acceptance=acc)
+    assert policy.plan(8, 0, 0)[0] == "draft"
+    for _ in range(40):  # plain rounds judge nothing: the mean returns to the pair's record
+        acc.age()
+    assert acc.mean() == pytest.approx(acc.long_run(), abs=0.05) and acc.mean() > 0.85
 
 
 def test_a_shared_acceptance_carries_over_to_the_next_generation():
@@ -348,12 +369,15 @@ F16_CPU = Costs(verify=(0.070, *(0.110 + 0.008 * (n - 2) for n in range(2, 18)))
 
 
 def test_an_untried_draft_is_tried_and_a_poor_one_then_left_idle():
-    """At a pessimistic prior the draft would never run, and never be learned."""
+    """At a pessimistic prior the draft would never run, and never be learned. It is tried
+    until N_EXPLORE drafts are judged, whatever the first of them did."""
     policy = Controller(OnlineCosts(F16_CPU, frozen=True), 8, has_draft=True, lookup=False)
     assert policy.plan(8, 0, 0)[0] == "draft"
     for _ in range(3):
         policy.draft_acceptance.observe([0.4] * 4, 0)  # each round: its first draft rejected
-    policy.draft_acceptance.observe([0.4] * 8, 2)
+    assert policy.plan(8, 0, 0)[0] == "draft"  # 3 judged: still trying
+    for _ in range(2):
+        policy.draft_acceptance.observe([0.4] * 8, 2)
     assert policy.plan(8, 0, 0)[0] == "none"
 
 
@@ -377,3 +401,72 @@ def test_siblings_pay_for_their_rows_only_where_picked_often_enough():
     assert policy.draft_more([0.6]) != "drop"  # the draft keeps a token it gave 60%
     assert policy.sibling(0.3)  # its second choice: a row of 8 ms against a 30% chance
     assert not policy.sibling(0.01)
+
+
+def phases(*spans):
+    """A stream that changes with the rounds: spans of (n_rounds, stream); call .next_round()
+    before each round (simulate_phases does)."""
+    class Phases:
+        def __init__(self):
+            self.round = 0
+
+        def __call__(self, rng):
+            end = 0
+            for n, stream in spans:
+                end += n
+                if self.round < end:
+                    return stream(rng)
+            return spans[-1][1](rng)
+    return Phases()
+
+
+def test_a_draft_turned_off_by_a_bad_stretch_is_tried_again_and_drafts_when_the_text_turns():
+    """Prose the draft gets wrong, then code it gets right, in one generation: the first
+    stretch turns the draft off, plain rounds judge no drafts, so without trying again the
+    controller would stay plain through the code (its mean acceptance sinks to a prior at
+    which drafting loses here)."""
+    clock = Clock()
+    policy = Controller(OnlineCosts(F16_CPU), 8, has_draft=True, lookup=False, clock=clock, n_tokens=4096)
+    bad, good = constant(0.1, confidence=0.6), constant(0.95, confidence=0.97)
+    simulate(policy, F16_CPU, bad, 80, clock=clock)
+    assert policy.plan(8, 0, 0)[0] == "none"  # the bad stretch turned it off
+    policy.observe(RoundOutcome("none", Proposal([]), [ACCEPTED], F16_CPU.v(1), True))
+    rate, lengths = simulate(policy, F16_CPU, good, 300, clock=clock)
+    assert sum(k > 0 for k in lengths[100:]) >= 0.9 * len(lengths[100:]), lengths[:100]
+    assert rate >= 0.9 * best_fixed(F16_CPU, 0.95)[1], (rate, best_fixed(F16_CPU, 0.95))
+
+
+def test_trying_a_losing_draft_again_costs_at_most_the_exploration_share():
+    from specllama.controller.policy import EXPLORE_SHARE
+
+    clock = Clock()
+    policy = Controller(OnlineCosts(F16_CPU), 8, has_draft=True, lookup=False, clock=clock, n_tokens=10**6)
+    rate, lengths = simulate(policy, F16_CPU, constant(0.05, confidence=0.9), 3000, clock=clock)
+    assert sum(k > 0 for k in lengths) >= 10  # it does try again, now and then
+    assert rate >= (1 - EXPLORE_SHARE - 0.01) / F16_CPU.v(1), rate * F16_CPU.v(1)
+
+
+def test_trying_again_never_starts_the_drafts_prefill_and_follows_the_cost_model():
+    """Credit comes from modelled times, so frozen costs decide the same rounds every time."""
+    policy = Controller(OnlineCosts(F16_CPU, frozen=True), 8, has_draft=True, lookup=False)
+    for _ in range(10):  # a pair with a poor record
+        policy.draft_acceptance.observe([0.5] * 4, 0)
+    assert policy.plan(8, 0, 0)[0] == "none"
+    tried = []
+    for i in range(200):
+        source, _ = policy.plan(8, 0, 0, lag=(i, i % 2 == 1))
+        tried.append((i, source))
+        policy.observe(RoundOutcome(source, Proposal([]), [ACCEPTED], 5.0, True))  # the clock says nothing
+    assert all(i % 2 == 0 for i, source in tried if source == "draft")
+    assert any(source == "draft" for _, source in tried)
+
+
+def test_an_untried_draft_keeps_its_sure_tokens_where_the_second_row_is_dear():
+    """F16 on this CPU: the second row of a pass costs 40 ms, the third 8. Optimism picks an
+    untried draft; its drafts are then weighed against what plain decoding achieves, not
+    against the optimistic rate (which dropped every token, so the draft was judged on dropped
+    tokens alone and never proposed one), and a row is weighed with the rows after it."""
+    policy = Controller(OnlineCosts(F16_CPU, frozen=True), 8, has_draft=True, lookup=False)
+    assert policy.plan(8, 0, 0) == ("draft", 8)
+    assert policy.draft_more([0.97]) == "more"
+    assert policy.draft_more([0.97, 0.97]) == "more"

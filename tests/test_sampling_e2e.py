@@ -86,6 +86,8 @@ def test_only_unseeded_generations_share_what_the_controller_learned(pair):
     token drawn); a seeded generation starts fresh and frozen, so history cannot steer it."""
     from specllama.options import GenerateOptions
 
+    pair.warm_up()  # the auto controller needs the decode costs (run alone, no earlier test measured them)
+
     def policy(seeded, greedy):
         options = GenerateOptions(temperature=0.0 if greedy else 0.7, seed=1 if seeded else None, n_draft="auto")
         return pair.planner._policy(pair._request(pair.tokenize("hi"), options))

@@ -10,6 +10,9 @@ import numpy as np
 
 
 N_EXPLORE = 8  # judged drafts before the controller trusts a pair's acceptance over optimism
+MEAN_PRIOR = 0.6  # a pair's acceptance before any of its drafts was judged
+LONG_RUN_DECAY = 0.995  # per judged draft: the pair's long-run acceptance spans a few hundred
+LONG_RUN_WEIGHT = 8.0  # drafts' worth of MEAN_PRIOR in it: one early rejection is not a record
 
 # Edges of the draft-confidence bins (the draft's probability of the token it proposes).
 CONFIDENCE_EDGES = [0.3, 0.5, 0.7, 0.8, 0.9, 0.95, 0.98]
@@ -29,7 +32,11 @@ class Acceptance:
     and new_text() keeps them. A bin with little data leans on a prior near its confidence,
     and the predictions are kept non-decreasing in confidence (pool adjacent violators): a few
     unlucky rejections in one bin must not rank it below a less confident one. The mean
-    follows the text: it decays faster, and new_text() shrinks it to a weak prior.
+    follows the text: it decays faster, and new_text() shrinks it to a weak prior. That prior
+    is the pair's own long-run acceptance (its last few hundred judged drafts), not a fixed
+    figure: a rejection or two at the start of a text, or a stretch of plain rounds (which
+    judge no drafts, so the mean sinks back to its prior), must not stand for a pair that
+    drafts this kind of text at 90%.
     """
 
     def __init__(self, decay: float = 0.98, mean_decay: float = 0.95, prior_weight: float = 2.0,
@@ -39,6 +46,7 @@ class Acceptance:
         self.hits = np.zeros(len(_BIN_PRIOR))
         self.seen = np.zeros(len(_BIN_PRIOR))
         self.mean_hits, self.mean_seen = 0.0, 0.0
+        self.long_hits, self.long_seen = 0.0, 0.0  # every proposed draft, decaying per judged draft
         self.n_judged = 0  # drafts ever judged (never decays: whether the pair has been tried)
         self._table: Optional[np.ndarray] = None  # the monotone predictions, per bin
         self._siblings: Optional["Acceptance"] = None
@@ -56,9 +64,15 @@ class Acceptance:
                                           self.seen + self.w)
         return float(self._table[bisect.bisect_right(CONFIDENCE_EDGES, confidence)])
 
-    def mean(self, prior: float = 0.6) -> float:
-        """Acceptance of the tokens that were drafted lately, whatever their confidence."""
+    def mean(self, prior: Optional[float] = None) -> float:
+        """Acceptance of the tokens that were drafted lately, whatever their confidence; prior:
+        what it leans on while few were (default: the pair's long-run acceptance)."""
+        prior = self.long_run() if prior is None else prior
         return (self.mean_hits + prior * self.w) / (self.mean_seen + self.w)
+
+    def long_run(self) -> float:
+        """Acceptance of the pair's last few hundred proposed drafts (0.6 before any)."""
+        return (self.long_hits + MEAN_PRIOR * LONG_RUN_WEIGHT) / (self.long_seen + LONG_RUN_WEIGHT)
 
     def as_dict(self) -> dict:
         """The predicted acceptance from each confidence edge up, with the tokens behind it."""
@@ -98,6 +112,8 @@ class Acceptance:
         if proposed:
             self.mean_seen += 1
             self.mean_hits += accepted
+            self.long_seen = self.long_seen * LONG_RUN_DECAY + 1
+            self.long_hits = self.long_hits * LONG_RUN_DECAY + accepted
 
 
 def _non_decreasing(y: np.ndarray, weight: np.ndarray) -> np.ndarray:

@@ -27,6 +27,15 @@ the verify pass: P_i < R * (v(i + 1) - v(i)).
 Costs are learned online (OnlineCosts): every round times its verify pass and every draft
 step, and robust running estimates correct the calibration they start from, so a noisy or
 stale calibration cannot keep speculation on where it loses.
+
+A record that stopped the draft is not renewed while it stays off: plain and lookup rounds
+judge no drafts, the text's mean acceptance sinks back to its prior, and the draft falls
+further behind. So a bad stretch early on (or lookup's rounds) could keep the draft off for
+the rest of a generation it would have served. Rounds without the draft therefore earn a
+credit, EXPLORE_SHARE of their modelled time, and once it covers a short draft round the
+draft is tried again (never to start its prefill); the try's modelled cost beyond what plain
+rounds would have taken for its tokens, its catch-up included, is paid from the credit. Where
+the draft really loses, trying costs at most that share of the time.
 """
 
 from __future__ import annotations
@@ -44,6 +53,8 @@ from .acceptance import N_EXPLORE, Acceptance
 from ..limits import TREE_ROWS
 from .costs import OnlineCosts
 
+EXPLORE_SHARE = 0.015  # of the modelled time of rounds without the draft, spent trying it again
+TRY_DRAFT = 2  # the most tokens such a try drafts
 
 class Policy(Protocol):
     """What the loop asks of a policy each round: plan a source and how far to draft, decide
@@ -127,6 +138,9 @@ class Controller:
         self._c_d = costs.draft_token
         self._round: Optional[_Round] = None
         self._match = 0  # n-gram length behind this round's lookup proposal
+        self._credit = 0.0  # modelled seconds the controller may spend trying the draft again
+        self._trying = False  # this round tries a draft its record says loses
+        self._rate_else = 0.0  # the best rate without the draft, as this round was planned
 
     def _best_draft_rate(self, alpha: float, k_max: int, c_d: Optional[float] = None,
                          extra: float = 0.0) -> tuple[float, int]:
@@ -156,31 +170,42 @@ class Controller:
         """The source ("none", "draft", "lookup") and most tokens to draft this round; lag is
         the draft's (tokens to decode before drafting, whether its prefill is among them)."""
         k_cap = min(k_cap, self.limit)
-        self._round, self._match = None, n_match
+        self._round, self._match, self._trying = None, n_match, False
         best, choice = 1.0 / self._v[1], ("none", 0)
         if k_cap <= 0 or self.costs.wants(1):
             # a plain round now and then keeps v(1), the figure every choice is weighed
             # against, measured: a stale one could keep speculation on where it loses
             return choice
+        draft_rate = on_record = 0.0
         if self.has_draft:
-            # optimistic while the pair has judged few drafts (a prior of 1 worth w tokens): a
-            # draft never tried is never learned (a pessimistic start kept a fresh load plain
-            # through whole generations of code it drafts at 80%), and one round finds out
+            extra = self.lag_cost(*lag)
+            on_record, _ = self._best_draft_rate(self.draft_acceptance.mean(), k_cap, extra=extra)
+            # optimistic until the pair has judged N_EXPLORE drafts: a draft never tried is
+            # never learned (a pessimistic start kept a fresh load plain through whole
+            # generations of code it drafts at 80%), and nor is one whose first draft, an
+            # answer's unsure opening, was rejected (a prior of 1 worth two tokens then sank
+            # to 0.67, below what drafting needs on this CPU); a few rounds find out
             untried = self.draft_acceptance.n_judged < N_EXPLORE
-            alpha = self.draft_acceptance.mean(prior=1.0 if untried else 0.6)
-            rate, _ = self._best_draft_rate(alpha, k_cap, extra=self.lag_cost(*lag))
-            if rate > best:
-                best, choice = rate, ("draft", k_cap)
+            draft_rate = self._best_draft_rate(1.0, k_cap, extra=extra)[0] if untried else on_record
         if self.lookup and n_lookup:
             rate, k = self._best_draft_rate(self.lookup_alpha(n_match), min(k_cap, n_lookup), c_d=0.0)
             if rate > best:
                 best, choice = rate, ("lookup", k)
+        if draft_rate > best:
+            choice = ("draft", k_cap)
+        elif self.has_draft and not lag[1] and self._credit >= self._c_d + self._v[2] - 1.0 / best:
+            # a short try: a token or two tell whether the text has turned
+            choice, self._trying = ("draft", min(k_cap, TRY_DRAFT)), True
         if choice[0] == "draft":
             alpha = self.draft_acceptance.mean()
             gain = [0.0]
             for m in range(1, choice[1] + 1):
                 gain.append(gain[-1] + alpha ** m)  # expected extra tokens from m more drafts
-            self._round = _Round(choice[1], gain, self._v.tolist(), best)
+            # the rate the round's drafts must beat: the best other source's, or the draft's
+            # own on its record (optimism picks an untried draft; it must not raise the bar,
+            # or an untried draft drops its every token)
+            self._round = _Round(choice[1], gain, self._v.tolist(), max(best, on_record))
+        self._rate_else = best
         return choice
 
     def draft_more(self, confidences: list[float]) -> str:
@@ -195,8 +220,11 @@ class Controller:
         # x_i's row comes after the root, x_1..x_{i-1} and the siblings verified beside them
         i, v, c_d = len(confidences) + r.n_siblings, r.v, self._c_d
         p_all = r.p_all * self.draft_acceptance.predict(confidences[-1])
-        # x_i's draft step is spent either way; keeping it costs its row in the verify pass
-        if p_all < r.rate * (v[i + 1] - v[i]):
+        # x_i's draft step is spent either way; keeping it costs its row in the verify pass,
+        # shared with the rows of any drafts after it (on a CPU the second row of a pass costs
+        # five times the third): dropped only where no continuation pays for it
+        n_more = r.k_max - len(confidences)
+        if not any(p_all * (1.0 + r.gain[m]) > r.rate * (m * c_d + v[i + 1 + m] - v[i]) for m in range(n_more + 1)):
             return "drop"
         r.p_reach, r.p_all, r.n_chain = r.p_all, p_all, len(confidences)
         # would m more drafts (each accepted at the mean rate) yield more than the rate
@@ -235,6 +263,7 @@ class Controller:
         proposal, report, new = outcome.proposal, outcome.report, outcome.new
         n_accepted = len(new) - 1
         self.n_left -= len(new)
+        self._pay_for_trying(outcome)
         self.costs.observe_verify(outcome.rows, outcome.seconds)
         if report.catch_up[0] >= 2:
             self.costs.observe_catch_up(*report.catch_up)
@@ -252,6 +281,19 @@ class Controller:
             self._judge_offer(outcome.offer, new)
         self._v = self.costs.table(self.limit + TREE_ROWS)
         self._c_d = self.costs.draft_token
+
+    def _pay_for_trying(self, outcome: RoundOutcome) -> None:
+        """Rounds without the draft earn credit; a round that tried it again pays its modelled
+        cost beyond what the best other source would take for its tokens (from the cost model,
+        not the clock: with frozen costs a seed decides the same rounds every time)."""
+        v = self._v
+        rows = min(max(outcome.rows, 1), len(v) - 1)
+        if self._trying:  # at least one draft step: the draft drafted before anything was decided
+            n_steps = max(1, len(outcome.report.confidence) + (outcome.report.dropped is not None))
+            catch_up = max(0, outcome.report.catch_up[0] - 1) * self.costs.catch_up_token
+            self._credit -= n_steps * self._c_d + catch_up + v[rows] - len(outcome.new) / self._rate_else
+        elif outcome.source != "draft":
+            self._credit += EXPLORE_SHARE * v[rows]
 
     def _judge_offer(self, offer: list[int], new: list[int]) -> None:
         """Lookup's offer, judged against what the round produced whoever proposed: free
