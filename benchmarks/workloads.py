@@ -31,3 +31,18 @@ WORKLOADS = {
             "Their friend Aiko Tanaka, 41, teaches physics in Osaka, and Aiko's neighbour Lars Berg, "
             "52, repairs boats in Bergen.",
 }
+
+# a long context: the 4-turn chat benchmark's system prompt (Python's shlex.py, about 2,900
+# tokens) and its second question, for the controller at 2,000-4,000 tokens of KV (issue 29)
+LONG_QUESTION = "Write a small function that uses shlex to split a command line and reports unbalanced quotes."
+
+
+def long_chat() -> str:
+    import inspect
+    import shlex
+
+    return "Answer questions about this file:\n\n```python\n" + inspect.getsource(shlex) + "```\n\n" + LONG_QUESTION
+
+
+LONG_WORKLOADS = {"long": long_chat()}  # not in test_speedup's table: its n_ctx is 2048
+
