@@ -65,6 +65,12 @@ def costs_key(target: Model, draft: Optional[Drafter], max_verify: int = MAX_VER
     return f"costs|{target.identity}|{draft.identity if draft is not None else '-'}|{max_verify}"
 
 
+def acceptance_key(target: Model, draft: Drafter, greedy: bool) -> str:
+    """The key of a model pair's draft acceptance record (greedy and sampled drafts apart: their
+    confidences mean different things)."""
+    return f"acceptance|{target.identity}|{draft.identity}|{'greedy' if greedy else 'sampled'}"
+
+
 def fidelity_group(n_past: int, n_ctx: int) -> int:
     """The KV group rows verified after n_past cached tokens attend over (0: the short context)."""
     return kv_group(kv_length(max(n_past, N_CONTEXT) + 1, n_ctx))

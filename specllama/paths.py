@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import threading
 from pathlib import Path
 from typing import Any, Optional
 
@@ -40,15 +41,19 @@ def read_cached(name: str, key: str) -> Optional[Any]:
         return None
 
 
+_WRITING = threading.Lock()  # requests finishing side by side write the same file
+
+
 def write_cached(name: str, key: str, value: Any) -> None:
     """Set entry `key` of the JSON file `name` in the cache dir (atomic replace)."""
     path = cache_dir() / name
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError):
-        data = {}
-    data[key] = value
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(f".{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(data, indent=1, sort_keys=True))
-    tmp.replace(path)
+    with _WRITING:
+        try:
+            data = json.loads(path.read_text())
+        except (OSError, ValueError):
+            data = {}
+        data[key] = value
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(data, indent=1, sort_keys=True))
+        tmp.replace(path)

@@ -17,8 +17,8 @@ from dataclasses import dataclass
 from typing import Any, Optional, Union
 
 from . import records
-from .calibrate import (cached_batch_diffs, cached_reuse_diffs, costs_key, fidelity_group, measure_batch_diffs,
-                        measure_costs, measure_reuse_diffs, quick_costs)
+from .calibrate import (acceptance_key, cached_batch_diffs, cached_reuse_diffs, costs_key, fidelity_group,
+                        measure_batch_diffs, measure_costs, measure_reuse_diffs, quick_costs)
 from .constraints import Constraint
 from .controller import Acceptance, Controller, Costs, FixedDraft, OnlineCosts, Policy, draft_can_pay
 from .fidelity import DiffTable, Level, ReuseTable, group_label, kv_group
@@ -69,9 +69,12 @@ class Planner:
         self._costs: Optional[Costs] = None
         self.costs_record: Optional[dict] = None  # what the costs in use came from, with its evidence
         self._online_costs: Optional[OnlineCosts] = None
-        # the draft's confidence calibration, learned across calls; greedy and sampled drafts
-        # mean different things by confidence (top probability; q of a sampled token)
-        self._acceptance = {True: Acceptance(), False: Acceptance()}
+        # the draft's confidence calibration, learned across calls and kept on disk per pair;
+        # greedy and sampled drafts mean different things by confidence (top probability; q of
+        # a sampled token)
+        self._acceptance = {greedy: Acceptance() if draft is None else
+                            Acceptance.from_record(records.read(acceptance_key(target, draft, greedy)))
+                            for greedy in (True, False)}
         self._explained: set[Level] = set()
         self.batch_diffs = DiffTable(lambda group: cached_batch_diffs(target, group), self._want_fidelity,
                                      target.n_ctx)
@@ -139,9 +142,13 @@ class Planner:
         return True
 
     def learned(self, policy: Policy) -> None:
-        """After a generation: where the rounds kept contradicting the curve, replace it."""
+        """After a generation: keep what the pair's drafts taught (not a seeded generation's,
+        which starts fresh); where the rounds kept contradicting the curve, replace it."""
         if not isinstance(policy, Controller):
             return
+        for greedy, acceptance in self._acceptance.items():
+            if acceptance is policy.draft_acceptance and self.draft is not None and policy.draft_acceptance.n_judged:
+                records.write(acceptance_key(self.target, self.draft, greedy), acceptance.record(), "live rounds")
         corrected = policy.costs.drift()
         if corrected is None or self._costs is None:
             return

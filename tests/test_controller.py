@@ -470,3 +470,25 @@ def test_an_untried_draft_keeps_its_sure_tokens_where_the_second_row_is_dear():
     assert policy.plan(8, 0, 0) == ("draft", 8)
     assert policy.draft_more([0.97]) == "more"
     assert policy.draft_more([0.97, 0.97]) == "more"
+
+
+def test_a_pairs_record_round_trips_and_a_new_process_still_tries_the_draft_first():
+    import json
+
+    acc = Acceptance()
+    for _ in range(30):
+        acc.observe([0.95, 0.6, 0.3], 2)
+    acc.siblings.judge(0.2, True, proposed=False)
+    again = Acceptance.from_record(json.loads(json.dumps(acc.record())))
+    assert [again.predict(c) for c in (0.2, 0.6, 0.95)] == [acc.predict(c) for c in (0.2, 0.6, 0.95)]
+    assert again.long_run() == acc.long_run() and again.siblings.predict(0.2) == acc.siblings.predict(0.2)
+    assert again.n_judged == 0 and again.mean() == pytest.approx(acc.long_run())  # optimism first, then the record
+
+
+@pytest.mark.parametrize("record", [None, {}, {"hits": [1.0], "seen": [1.0], "long": [1, 1]},
+                                    {"hits": [2.0] * 8, "seen": [1.0] * 8, "long": [1, 2]},
+                                    {"hits": [0.0] * 8, "seen": [1.0] * 8, "long": ["x", 2]},
+                                    {"hits": [0.0] * 8, "seen": [float("nan")] * 8, "long": [1, 2]}])
+def test_a_malformed_record_is_a_fresh_start(record):
+    acc = Acceptance.from_record(record)
+    assert acc.seen.sum() == 0 and acc.long_run() == 0.6

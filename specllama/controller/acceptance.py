@@ -79,6 +79,34 @@ class Acceptance:
         return {f">={edge}": [round(self.predict(edge), 3), round(float(seen), 1)]
                 for edge, seen in zip([0.0, *CONFIDENCE_EDGES], self.seen)}
 
+    def record(self) -> dict:
+        """What a later process may start from: the confidence calibration and the long-run
+        acceptance; not the text's mean, nor how many drafts this process judged (a new process
+        still tries the draft optimistically before trusting any record)."""
+        return {"hits": self.hits.tolist(), "seen": self.seen.tolist(), "long": [self.long_hits, self.long_seen],
+                "siblings": None if self._siblings is None else self._siblings.record()}
+
+    @classmethod
+    def from_record(cls, record: Optional[dict], prior: Optional[np.ndarray] = None) -> "Acceptance":
+        """An Acceptance starting from record() (a fresh one where it is missing or malformed)."""
+        acc = cls(prior=prior)
+        if not isinstance(record, dict):
+            return acc
+        try:
+            hits = np.asarray(record["hits"], dtype=np.float64)
+            seen = np.asarray(record["seen"], dtype=np.float64)
+            long_hits, long_seen = (float(x) for x in record["long"])
+        except (TypeError, KeyError, ValueError):
+            return acc
+        values = np.concatenate([hits, seen, [long_hits, long_seen]])
+        if hits.shape != acc.hits.shape or seen.shape != acc.seen.shape or not np.all(np.isfinite(values)) \
+                or np.any(values < 0) or bool(np.any(np.greater(hits, seen))) or long_hits > long_seen:
+            return acc
+        acc.hits, acc.seen, acc.long_hits, acc.long_seen = hits, seen, long_hits, long_seen
+        if record.get("siblings") is not None:
+            acc._siblings = cls.from_record(record["siblings"], prior=_SIBLING_PRIOR)
+        return acc
+
     def new_text(self) -> None:
         """A new generation: the last text's mean acceptance stays only as a prior worth w tokens."""
         if self.mean_seen > self.w:
