@@ -21,8 +21,10 @@ at the text's mean acceptance. So the draft runs long on code it is sure of and 
 first uncertain token of prose. The yardstick is R, not the round's own E/T (renewal-reward:
 the long-run rate is what a round's time could otherwise buy): after a run of sure tokens a
 round's own E/T stands above R, and on our CPU it stopped code drafts at 3-4 tokens where 5
-paid more. A drafted token is dropped when its chance to add a token is not worth its row in
-the verify pass: P_i < R * (v(i + 1) - v(i)).
+paid more. A drafted token is dropped when neither it nor any continuation is worth the rows they
+add to the verify pass: P_i * (1 + gain(m)) <= R * (m * c_d + v(i + 1 + m) - v(i)) for every m
+(on a CPU the second row of a pass costs several times the third, so a first token alone
+rarely pays for its row while the tokens after it share that cost).
 
 Costs are learned online (OnlineCosts): every round times its verify pass and every draft
 step, and robust running estimates correct the calibration they start from, so a noisy or
@@ -33,9 +35,9 @@ judge no drafts, the text's mean acceptance sinks back to its prior, and the dra
 further behind. So a bad stretch early on (or lookup's rounds) could keep the draft off for
 the rest of a generation it would have served. Rounds without the draft therefore earn a
 credit, EXPLORE_SHARE of their modelled time, and once it covers a short draft round the
-draft is tried again (never to start its prefill); the try's modelled cost beyond what plain
-rounds would have taken for its tokens, its catch-up included, is paid from the credit. Where
-the draft really loses, trying costs at most that share of the time.
+draft is tried again (never to start its prefill); the try's modelled cost beyond what the
+best other source would have taken for its tokens, its catch-up included, is paid from the
+credit. Where the draft really loses, trying costs at most that share of the time.
 """
 
 from __future__ import annotations
@@ -55,6 +57,7 @@ from .costs import OnlineCosts
 
 EXPLORE_SHARE = 0.015  # of the modelled time of rounds without the draft, spent trying it again
 TRY_DRAFT = 2  # the most tokens such a try drafts
+
 
 class Policy(Protocol):
     """What the loop asks of a policy each round: plan a source and how far to draft, decide
