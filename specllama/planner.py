@@ -75,6 +75,7 @@ class Planner:
         self._acceptance = {greedy: Acceptance() if draft is None else
                             Acceptance.from_record(records.read(acceptance_key(target, draft, greedy)))
                             for greedy in (True, False)}
+        self._n_judged_kept = {True: 0, False: 0}  # drafts judged when each record was last written
         self._explained: set[Level] = set()
         self.batch_diffs = DiffTable(lambda group: cached_batch_diffs(target, group), self._want_fidelity,
                                      target.n_ctx)
@@ -147,8 +148,10 @@ class Planner:
         if not isinstance(policy, Controller):
             return
         for greedy, acceptance in self._acceptance.items():
-            if acceptance is policy.draft_acceptance and self.draft is not None and policy.draft_acceptance.n_judged:
+            if acceptance is policy.draft_acceptance and self.draft is not None \
+                    and acceptance.n_judged != self._n_judged_kept[greedy]:  # something new was judged
                 records.write(acceptance_key(self.target, self.draft, greedy), acceptance.record(), "live rounds")
+                self._n_judged_kept[greedy] = acceptance.n_judged
         corrected = policy.costs.drift()
         if corrected is None or self._costs is None:
             return
