@@ -16,15 +16,17 @@ Targets: the Qwen2.5-Coder 1.5B in F16 and Q4_K_M, drafted by the 0.5B Q4_K_M.
 
 from __future__ import annotations
 
-import inspect
 import json
 import os
-import shlex
+import sys
 import tempfile
 import time
 from pathlib import Path
 
 import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from workloads import CHAT_QUESTIONS, shlex_source  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -37,13 +39,8 @@ FLASH_ATTN = os.environ.get("SPECLLAMA_BENCH_FLASH_ATTN", "off") == "on"
 # which side runs first in the process ("theirs": llama-cpp-python), to tell an order effect
 # (a cold page cache, clock changes) from a real gap on turn 1's long prefill
 THEIRS_FIRST = os.environ.get("SPECLLAMA_BENCH_FIRST", "ours") == "theirs"
-SOURCE = inspect.getsource(shlex)
-QUESTIONS = [
-    "Explain in a few sentences what shlex.split does with posix=True versus posix=False.",
-    "Write a small function that uses shlex to split a command line and reports unbalanced quotes.",
-    "How does shlex.quote decide whether a string needs quoting? Show an example.",
-    "Suggest two unit tests for the punctuation_chars option.",
-]
+SOURCE = shlex_source()
+QUESTIONS = CHAT_QUESTIONS
 TARGETS = {"f16": "target-f16", "q4": "target"}
 
 

@@ -32,17 +32,24 @@ WORKLOADS = {
             "52, repairs boats in Bergen.",
 }
 
-# a long context: the 4-turn chat benchmark's system prompt (Python's shlex.py, about 2,900
-# tokens) and its second question, for the controller at 2,000-4,000 tokens of KV (issue 29)
-LONG_QUESTION = "Write a small function that uses shlex to split a command line and reports unbalanced quotes."
+# the 4-turn chat benchmark's conversation (test_chat.py): Python's shlex.py (about 2,900 tokens
+# with a chat template) and four questions about it
+CHAT_QUESTIONS = [
+    "Explain in a few sentences what shlex.split does with posix=True versus posix=False.",
+    "Write a small function that uses shlex to split a command line and reports unbalanced quotes.",
+    "How does shlex.quote decide whether a string needs quoting? Show an example.",
+    "Suggest two unit tests for the punctuation_chars option.",
+]
 
 
-def long_chat() -> str:
+def shlex_source() -> str:
     import inspect
     import shlex
 
-    return "Answer questions about this file:\n\n```python\n" + inspect.getsource(shlex) + "```\n\n" + LONG_QUESTION
+    return inspect.getsource(shlex)
 
 
-LONG_WORKLOADS = {"long": long_chat()}  # not in test_speedup's table: its n_ctx is 2048
-
+# the controller at 2,000-4,000 tokens of KV (issue 29): the chat's file and second question in one
+# turn; not in test_speedup's table, whose n_ctx is 2048
+LONG_WORKLOADS = {"long": "Answer questions about this file:\n\n```python\n" + shlex_source() + "```\n\n"
+                  + CHAT_QUESTIONS[1]}
