@@ -29,6 +29,16 @@ from .trees import TreeDecode, TreeDecoding
 from .vocab import Vocab
 
 
+@dataclass(frozen=True)
+class Lane:
+    """Where a Runtime decodes in a shared context: its first sequence, its share of the cells,
+    and the context that decodes its batches (shared.SharedContext)."""
+
+    shared: Any
+    base: int
+    n_ctx: int
+
+
 class SlotUnavailable(Exception):
     """No second context can be made on this runtime's model (why, in words)."""
 
@@ -41,9 +51,10 @@ class _Rows:
     first: int = 0  # a chain decode: the batch row of logits(0)
     of: Optional[list[int]] = None  # a tree decode: the batch row of each tree index
     pinned: Optional[np.ndarray] = None  # logits(0) kept from a prefill (the whole prompt asked again)
+    copied: Optional[dict[int, np.ndarray]] = None  # a lane's rows, copied out of a shared pass
 
     def clear(self) -> None:
-        self.n, self.first, self.of, self.pinned = 0, 0, None, None
+        self.n, self.first, self.of, self.pinned, self.copied = 0, 0, None, None, None
 
 
 class Runtime(Vocab, TreeDecoding):
@@ -52,21 +63,30 @@ class Runtime(Vocab, TreeDecoding):
     follows_target = False  # a second model: it decodes what it is given (an MtpHead follows its target)
 
     def __init__(self, model: Handle, ctx: Handle, name: str, stack: ExitStack, identity: str = "",
-                 rollback: Optional[str] = None, n_seq: int = 1):
+                 rollback: Optional[str] = None, n_seq: int = 1, lane: Optional[Lane] = None):
         super().__init__(model)
         self._stack, self.name = stack, name
         self.identity = identity  # what a measurement of this runtime depends on (measure.identity)
         self._model, self._ctx = model, ctx
-        self.n_ctx = int(llama_cpp.llama_n_ctx(ctx.ptr))
+        # a lane of a shared context (shared.py): its sequences and its share of the cells
+        self._lane = lane
+        self.n_ctx = int(llama_cpp.llama_n_ctx(ctx.ptr)) if lane is None else lane.n_ctx
         # llama.cpp may clamp the requested batch size (to n_ctx), so ask the context
         self.n_batch = int(llama_cpp.llama_n_batch(ctx.ptr))
-        self.memory, self._memory = memory_of(ctx, model, name, rollback)
+        self.memory, self._memory = memory_of(ctx, model, name, rollback,
+                                              (0, 0) if lane is None else (lane.base, n_seq))
         self.rollback = self._memory.rollback
         self.n_rs_seq = int(llama_cpp.llama_n_rs_seq(ctx.ptr))
         # the most branches a tree verify batch may have (1: chains only); the context was
         # made with this many sequences in a unified KV buffer
         self.n_branches = min(n_seq, int(llama_cpp.llama_n_seq_max(ctx.ptr))) if self.memory == "attention" else 1
         self._batch = Batch(self.n_batch, stack, self.n_branches)
+        self._batch.base = 0 if lane is None else lane.base
+        # a lane: the most rows the pass computing its next rows may have, other lanes' included
+        # (1: its rows alone); what the fidelity level allows at its KV length, set per round
+        self.batch_cap = 1
+        self.n_batch_rows = 0  # rows in the pass that computed the last decode's rows
+        self.t_waited = 0.0  # of the last decode's time, what it waited for other lanes' rounds
         self._rows = _Rows()
         self._tree: Optional[TreeDecode] = None  # a decoded tree, until one path of it is kept
         self._n_pending = 0  # the last cached tokens, not in the KV cache yet (see _settle)
@@ -176,7 +196,7 @@ class Runtime(Vocab, TreeDecoding):
                     self.between_chunks()
                 # logits are only kept for the final chunk; all requested rows must be in it
                 self._batch.fill(tokens[start:end], n_past + start, max(0, n_logits - (len(tokens) - end)))
-                self._check(llama_cpp.llama_decode(self._ctx.ptr, self._batch.c), n_past + start, end - start)
+                self._pass(n_past + start, end - start)
                 self.cached.extend(tokens[start:end])
                 self._memory.after_decode(n_past + start, n_past + end)
                 if self.mtp_head is not None:
@@ -186,6 +206,18 @@ class Runtime(Vocab, TreeDecoding):
             self._rows.clear()
             self.discard(n_past)
             raise
+
+    def _pass(self, pos: int, n_tokens: int) -> None:
+        """llama_decode the filled batch (a lane: through its shared context, maybe beside other
+        lanes' rows, which keeps copies of this batch's rows)."""
+        if self._lane is None:
+            self._check(llama_cpp.llama_decode(self._ctx.ptr, self._batch.c), pos, n_tokens)
+            self.n_batch_rows, self.t_waited = n_tokens, 0.0
+            return
+        t0 = time.perf_counter()
+        status, self._rows.copied, self.n_batch_rows, seconds = self._lane.shared.decode(self._batch, self.batch_cap)
+        self.t_waited = max(0.0, time.perf_counter() - t0 - seconds)
+        self._check(status, pos, n_tokens)
 
     def _check(self, status: int, pos: int, n_tokens: int) -> None:
         if status == 0:
@@ -208,6 +240,8 @@ class Runtime(Vocab, TreeDecoding):
         if rows.pinned is not None:
             return rows.pinned
         index = rows.of[row] if rows.of is not None else rows.first + row
+        if rows.copied is not None:
+            return rows.copied[index]
         ptr = llama_cpp.llama_get_logits_ith(ctx, index)
         if not ptr:
             raise DecodeError(f"{self.name}: llama.cpp returned no logits for batch row {index}")
@@ -304,7 +338,8 @@ class Runtime(Vocab, TreeDecoding):
             last = self.cached.pop()
             self._n_pending -= 1
             self.decode([last])
-        return SavedState(list(self.cached), self.n_canonical, save_sequence(self._ctx, self.name), self.prefill_row)
+        return SavedState(list(self.cached), self.n_canonical, save_sequence(self._ctx, self.name, self._batch.base),
+                          self.prefill_row)
 
     def restore_state(self, saved: SavedState) -> None:
         """Put a save_state() back: the cache then holds saved.tokens exactly as they were."""
@@ -314,7 +349,7 @@ class Runtime(Vocab, TreeDecoding):
         if self.mtp_head is not None:  # its entries were for the sequence replaced here
             self.mtp_head.truncate(0)
         try:
-            restore_sequence(self._ctx, saved, self.name)
+            restore_sequence(self._ctx, saved, self.name, self._batch.base)
         except BaseException:
             self._memory.remove(0, -1)
             self.cached, self.n_canonical, self.prefill_row = [], 0, None

@@ -120,20 +120,21 @@ class Batch:
     def __init__(self, n_tokens: int, stack: ExitStack, n_seq: int = 1, n_embd: int = 0):
         self.c = llama_cpp.llama_batch_init(n_tokens, n_embd, n_seq)
         self._handle = Handle(self.c, llama_cpp.llama_batch_free, "a batch", stack)
+        self.base = 0  # the context's id of sequence 0 (a lane of a shared context: its first)
 
     @property
     def alive(self) -> bool:
         return self._handle.alive
 
     def fill(self, tokens: Sequence[int], pos0: int, n_logits: int) -> None:
-        """A chain in sequence 0 at positions pos0.., logits for its last n_logits rows."""
+        """A chain in sequence 0 (base) at positions pos0.., logits for its last n_logits rows."""
         self._handle.ptr  # ClosedError once freed: never write into a freed batch
         c, n = self.c, len(tokens)
         for i, token in enumerate(tokens):
             c.token[i] = token
             c.pos[i] = pos0 + i
             c.n_seq_id[i] = 1
-            c.seq_id[i][0] = 0
+            c.seq_id[i][0] = self.base
             c.logits[i] = i >= n - n_logits
         c.n_tokens = n
 
@@ -146,5 +147,20 @@ class Batch:
         for i, (token, pos, seq_ids) in enumerate(zip(tokens, positions, seqs)):
             c.token[i], c.pos[i], c.n_seq_id[i], c.logits[i] = token, pos, len(seq_ids), i >= n_no_logits
             for j, seq in enumerate(seq_ids):
-                c.seq_id[i][j] = seq
+                c.seq_id[i][j] = self.base + seq
         c.n_tokens = len(tokens)
+
+    def items(self) -> list[tuple[int, int, tuple[int, ...], bool]]:
+        """(token, position, sequences, keeps logits) of each row filled."""
+        c = self.c
+        return [(c.token[i], c.pos[i], tuple(c.seq_id[i][j] for j in range(c.n_seq_id[i])), bool(c.logits[i]))
+                for i in range(c.n_tokens)]
+
+    def fill_items(self, items: Sequence[tuple[int, int, tuple[int, ...], bool]], offset: int) -> None:
+        """Rows offset.. of the batch: items() of other batches (n_tokens set by the caller)."""
+        self._handle.ptr  # ClosedError once freed
+        c = self.c
+        for i, (token, pos, seq_ids, keep) in enumerate(items, offset):
+            c.token[i], c.pos[i], c.n_seq_id[i], c.logits[i] = token, pos, len(seq_ids), keep
+            for j, seq in enumerate(seq_ids):
+                c.seq_id[i][j] = seq

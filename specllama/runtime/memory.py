@@ -33,8 +33,11 @@ class Memory:
 
     rollback = "seq_rm"
 
-    def __init__(self, ctx: Handle, name: str):
+    def __init__(self, ctx: Handle, name: str, base: int = 0, n_own: int = 0):
         self.ctx, self.name = ctx, name
+        # a lane of a shared context (n_own > 0) owns its sequences base..base+n_own-1 only;
+        # callers number them from 0 as in a context of their own
+        self.base, self.n_own = base, n_own
 
     @property
     def _mem(self) -> Any:
@@ -42,14 +45,18 @@ class Memory:
 
     def remove(self, seq: int, start: int, end: int = -1) -> bool:
         """llama_memory_seq_rm; False where the memory cannot drop that range."""
-        return bool(llama_cpp.llama_memory_seq_rm(self._mem, seq, start, end))
+        return bool(llama_cpp.llama_memory_seq_rm(self._mem, self.base + seq, start, end))
 
     def copy(self, src: int, dst: int) -> None:
         """Give sequence dst every cell of sequence src (tree branches share the cached prefix)."""
-        llama_cpp.llama_memory_seq_cp(self._mem, src, dst, -1, -1)
+        llama_cpp.llama_memory_seq_cp(self._mem, self.base + src, self.base + dst, -1, -1)
 
     def clear(self) -> None:
-        llama_cpp.llama_memory_clear(self._mem, True)
+        if self.n_own:  # the other lanes' sequences stay
+            for seq in range(self.n_own):
+                self.remove(seq, -1)
+        else:
+            llama_cpp.llama_memory_clear(self._mem, True)
         self.forget()
 
     def before_decode(self, n_past: int, n_tokens: int) -> None:
@@ -194,14 +201,16 @@ class Snapshots(Checkpoints):
         return min(n_batch, self.n_rs_seq + 1)
 
 
-def memory_of(ctx: Handle, model: Handle, name: str, requested: Optional[str]) -> tuple[str, Memory]:
-    """(memory type: "attention", "hybrid" or "recurrent", its Memory) for a new context."""
+def memory_of(ctx: Handle, model: Handle, name: str, requested: Optional[str],
+              lane: tuple[int, int] = (0, 0)) -> tuple[str, Memory]:
+    """(memory type: "attention", "hybrid" or "recurrent", its Memory) for a new context, or
+    for a lane (base, n_own) of a shared one (attention memory only: shared.py)."""
     if llama_cpp.llama_model_is_hybrid(model.ptr):
         kind = "hybrid"
     elif llama_cpp.llama_model_is_recurrent(model.ptr):
         kind = "recurrent"
     else:
-        return "attention", Memory(ctx, name)
+        return "attention", Memory(ctx, name, *lane)
     granted = int(llama_cpp.llama_n_rs_seq(ctx.ptr))  # recurrent-state snapshots per token granted
     if requested == "seq_rm":
         raise InvalidParameterError("rollback", requested, f"n_rs_seq, checkpoint or None for {name}: its {kind} "

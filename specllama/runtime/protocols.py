@@ -95,6 +95,9 @@ class Model(Vocabulary, Protocol):
     prefill_row: Optional[PrefillRow]
     mtp_head: Any
     follows_target: bool
+    batch_cap: int  # a lane: the most rows the pass computing its next rows may have
+    n_batch_rows: int  # rows in the pass that computed the last decode's rows
+    t_waited: float  # of the last decode's time, what it waited for other lanes' rounds
 
     @property
     def cached(self) -> list[int]: ...

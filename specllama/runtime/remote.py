@@ -51,6 +51,9 @@ class RemoteRuntime:
     mtp_head = None
     mtp_note = "a model on RPC workers cannot load its MTP layers here"
     follows_target = False
+    batch_cap = 1  # one context in the host: no lanes
+    n_batch_rows = 0  # unknown: the round's own rows
+    t_waited = 0.0
 
     def __init__(self, settings: ModelSettings):
         self.settings = settings

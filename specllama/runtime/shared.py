@@ -1,0 +1,264 @@
+"""A target context shared by several requests: each a lane (sequences of its own), and the rows
+the lanes decode in one round computed in one llama_decode.
+
+Requests decode in the models' turn (slots.Turns), one round at a time. A lane that reaches
+its target pass parks its batch and gives the turn to whoever waits for it; the thread that
+parks while everyone waiting for the turn has parked too, and every generating lane has parked
+or had a short grace to, decodes every parked batch (a pass per group: at most n_batch rows,
+and no more rows than any member's cap, the largest pass its fidelity level allows at its KV
+length). A pass that cannot place its rows
+(llama_decode 1) is decoded again lane by lane, so only the lane that does not fit fails.
+
+Each lane's rows are copied out of the pass: they stay valid while other lanes decode.
+
+A lane's rows are not bitwise those of a context of its own: other lanes' cells sit between
+its cells in the unified KV buffer, which changes how llama.cpp's attention sums (measured by
+measure_apart_diff). Requests that need bitwise rows decode in contexts of their own.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from contextlib import ExitStack
+from dataclasses import dataclass, field, replace
+from collections.abc import Callable
+from typing import Any, Optional
+
+import llama_cpp
+import numpy as np
+
+from ..errors import DecodeError
+from .handles import Batch, Handle, new_context
+
+Item = tuple[int, int, tuple[int, ...], bool]
+
+# a parked batch waits for lanes between rounds (emitting their tokens) at most this share of
+# a pass, and at most GRACE_MAX seconds: riding in the next pass saves them a whole pass
+GRACE_SHARE = 0.25
+GRACE_MAX = 0.05
+
+
+@dataclass(eq=False)
+class _Job:
+    """A lane's batch, parked until a pass decodes it."""
+
+    items: list[Item]
+    cap: int
+    taken: bool = False
+    done: bool = False
+    status: int = 0
+    rows: dict[int, np.ndarray] = field(default_factory=dict)
+    n_rows: int = 0
+    seconds: float = 0.0  # the pass's llama_decode
+
+
+class SharedContext:
+    """One context of the target's model for n_lanes lanes of n_branches sequences each, with
+    n_ctx cells a lane (a unified KV buffer: a shared prefix is stored once per lane)."""
+
+    def __init__(self, first: Any, n_lanes: int):
+        from .core import Lane
+
+        settings = first.settings
+        self.name, self.n_lanes, self.n_branches = first.name, n_lanes, first.n_branches
+        self._stack = ExitStack()
+        self._model = Handle(first._model.ptr, None, first._model.what, None)  # the first runtime frees it
+        self._first = first
+        try:
+            self._ctx = new_context(self._model, replace(settings, n_ctx=settings.n_ctx * n_lanes), self._stack,
+                                    n_seq=max(2, n_lanes * self.n_branches), name=f"{first.name} (shared)")
+            self.n_batch = int(llama_cpp.llama_n_batch(self._ctx.ptr))
+            self._batch = Batch(self.n_batch, self._stack, max(2, n_lanes * self.n_branches))
+        except BaseException:
+            self._stack.close()
+            raise
+        self.n_vocab = first.n_vocab
+        self.turn: Any = None  # the models' turn (slots.Turns); None: every batch decoded at once
+        self._cv = threading.Condition()
+        self._parked: list[_Job] = []
+        self.lanes: list[Any] = []
+        self._lane_of = lambda base: Lane(self, base, settings.n_ctx)
+        self.n_active: Callable[[], int] = lambda: 1  # lanes generating now (set by their slots)
+        self._t_pass = 0.0  # the last pass's seconds: how long a parked batch waits for others
+        self.n_passes = 0  # llama_decode calls
+        self.n_shared_passes = 0  # of them, passes with more than one lane's rows
+
+    def lane(self, index: int) -> Any:
+        """The Runtime on lane index (made on first use; IndexError past n_lanes)."""
+        if not 0 <= index < self.n_lanes:
+            raise IndexError(f"{self.name} has lanes 0..{self.n_lanes - 1}, not {index}")
+        while len(self.lanes) <= index:
+            first = self._first
+            ctx = Handle(self._ctx.ptr, None, self._ctx.what, None)  # freed by close(), after every lane
+            runtime = type(first)(self._model, ctx, first.name, ExitStack(), first.identity,
+                                  first.settings.rollback, n_seq=self.n_branches,
+                                  lane=self._lane_of(len(self.lanes) * self.n_branches))
+            runtime.settings = first.settings
+            self.lanes.append(runtime)
+        return self.lanes[index]
+
+    def close(self) -> None:
+        """Free the lanes' batches, then the context (the model stays with its first runtime)."""
+        for runtime in self.lanes:
+            runtime.close()
+        self.lanes.clear()
+        self._stack.close()
+
+    # --- passes --------------------------------------------------------------------------------
+
+    def decode(self, batch: Batch, cap: int) -> tuple[int, dict[int, np.ndarray], int, float]:
+        """Decode a lane's filled batch (call in the models' turn, which is held again on return):
+        (llama_decode's status, its rows' logits by batch row, rows in the pass, its seconds)."""
+        job = _Job(batch.items(), max(1, cap))
+        deadline = time.perf_counter() + min(GRACE_SHARE * self._t_pass, GRACE_MAX)
+        with self._cv:
+            self._parked.append(job)
+            self._cv.notify_all()
+        try:
+            while True:
+                now = self._now(job, deadline)
+                if now:
+                    self._flush()
+                if job.done:
+                    return job.status, job.rows, job.n_rows, job.seconds
+                self.turn.release()  # the others' rounds reach their passes
+                if now is None:  # no one waits for the turn: a lane between rounds may park soon
+                    with self._cv:
+                        self._cv.wait(max(0.0, deadline - time.perf_counter()))
+                self.turn.acquire()
+        except BaseException:
+            self._withdraw(job)
+            raise
+
+    def _now(self, job: _Job, deadline: float) -> Optional[bool]:
+        """(the turn held) Whether to decode the parked batches now: True when no one waits for
+        the turn but parked lanes, and every lane generating has parked or its grace is over;
+        None to wait for the lanes between rounds; False to let the waiting threads go first."""
+        with self._cv:
+            if job.done:
+                return False
+            n_waiting = 0 if self.turn is None else self.turn.n_waiting()
+            if n_waiting > len(self._parked) - 1:
+                return False
+            if self.turn is None or len(self._parked) >= self.n_active() or time.perf_counter() >= deadline:
+                return True
+            return None
+
+    def _withdraw(self, job: _Job) -> None:
+        """Interrupted while parked: take the batch back unless a pass is decoding it, then hold
+        the turn again (the caller rolls its lane back, which touches the context)."""
+        with self._cv:
+            if job in self._parked:
+                self._parked.remove(job)
+        if self.turn is not None and not self.turn.holding():
+            while True:
+                try:
+                    self.turn.acquire()  # waits for a pass decoding the batch to end
+                    return
+                except KeyboardInterrupt:
+                    continue
+
+    def _flush(self) -> None:
+        with self._cv:
+            jobs, self._parked = self._parked, []
+            for job in jobs:
+                job.taken = True
+        try:
+            for group in _groups(jobs, self.n_batch):
+                self._run(group)
+        finally:
+            with self._cv:
+                for job in jobs:
+                    if not job.done:  # an error mid-way: the rest report it
+                        job.done, job.status = True, job.status or 2
+                self._cv.notify_all()
+
+    def _run(self, group: list[_Job]) -> None:
+        status = self._decode(group)
+        if status != 0 and len(group) > 1:  # which lane does not fit: each alone
+            mem = llama_cpp.llama_get_memory(self._ctx.ptr)
+            for job in group:
+                p0 = min(pos for _, pos, _, _ in job.items)
+                for seq in {s for _, _, seqs, _ in job.items for s in seqs}:
+                    llama_cpp.llama_memory_seq_rm(mem, seq, p0, -1)
+            for job in group:
+                job.status = self._decode([job])
+                job.done = True
+            return
+        for job in group:
+            job.status, job.done = status, True
+
+    def _decode(self, group: list[_Job]) -> int:
+        offset = 0
+        for job in group:
+            self._batch.fill_items(job.items, offset)
+            offset += len(job.items)
+        self._batch.c.n_tokens = offset
+        t0 = time.perf_counter()
+        status = int(llama_cpp.llama_decode(self._ctx.ptr, self._batch.c))
+        seconds = time.perf_counter() - t0
+        self._t_pass = seconds
+        self.n_passes += 1
+        self.n_shared_passes += len(group) > 1
+        if status != 0:
+            return status
+        n_rows, offset = offset, 0
+        for job in group:
+            job.n_rows, job.seconds = n_rows, seconds
+            for i, (_, _, _, keep) in enumerate(job.items):
+                if keep:
+                    ptr = llama_cpp.llama_get_logits_ith(self._ctx.ptr, offset + i)
+                    if not ptr:
+                        raise DecodeError(f"{self.name}: llama.cpp returned no logits for batch row {offset + i}")
+                    job.rows[i] = np.ctypeslib.as_array(ptr, shape=(self.n_vocab,)).copy()
+            offset += len(job.items)
+        return 0
+
+
+def _groups(jobs: list[_Job], n_batch: int) -> list[list[_Job]]:
+    """Parked batches in passes, in arrival order: a pass holds at most n_batch rows and at most
+    the cap of every batch in it (a batch over its own cap, a long prompt's chunk, goes alone)."""
+    groups: list[list[_Job]] = []
+    n, cap = 0, 0
+    for job in jobs:
+        size = len(job.items)
+        if groups and n + size <= min(n_batch, cap, job.cap):
+            groups[-1].append(job)
+            n += size
+            cap = min(cap, job.cap)
+        else:
+            groups.append([job])
+            n, cap = size, job.cap
+    return groups
+
+
+def measure_apart_diff(solo: Any, shared: SharedContext, n_prompt: int = 160, n_steps: int = 8) -> float:
+    """The largest |logit difference| between a lane's one-token rows, decoded while another lane
+    grows and rolls back beside it, and the same rows in a context of its own (solo, left empty).
+    Teacher-forced on the solo rows' greedy choices; the lanes used are freed again."""
+    rng = np.random.default_rng(0)
+    hi = min(solo.n_vocab, 20000)
+    prompt = [int(t) for t in rng.integers(100, hi, size=n_prompt)]
+    filler = [int(t) for t in rng.integers(100, hi, size=n_prompt // 2)]
+    lane, other = shared.lane(0), shared.lane(1)
+    try:
+        other.decode(filler)
+        lane.decode(prompt)
+        solo.discard(0)
+        solo.decode(prompt)
+        worst = float(np.abs(lane.logits(0) - solo.logits(0)).max())
+        token = int(np.argmax(solo.logits(0)))
+        for _ in range(n_steps):
+            n_other = len(other.cached)
+            other.decode(filler[:4], n_logits=4)  # another lane's verify, half of it rejected
+            other.truncate(n_other + 2)
+            solo.decode([token])
+            lane.decode([token])
+            worst = max(worst, float(np.abs(lane.logits(0) - solo.logits(0)).max()))
+            token = int(np.argmax(solo.logits(0)))
+        return worst
+    finally:
+        solo.discard(0)
+        for runtime in (lane, other):
+            runtime.discard(0)
