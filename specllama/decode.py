@@ -96,6 +96,8 @@ def generate_steps(d: Decoding, prompt: Sequence[int]) -> Generator[Step, None, 
             # has not been measured yet: the probe is queued for when the process is idle)
             d.limits.reach(n_past)
             n_verify_max = d.limits.max_batch(n_past) if d.proposer is not None else 1
+            if d.limits.shared is not None:  # a lane: the largest pass its rows may ride in
+                target.batch_cap = d.limits.max_batch(n_past)
             t1 = time.perf_counter()
             # 2. propose: tokens the grammar forces first (free), then the policy's source
             r = _propose(d, tokens, n_verify_max)
@@ -176,12 +178,15 @@ def _record(d: Decoding, r: _Round, path: list[int], new: list[int], times: tupl
     if r.proposal.tree is not None:
         stats.record_tree(r.proposal.tree, path)
     if d.proposer is not None:
-        n_verify = r.n_pending + len(r.proposal.tokens) + 1
+        # a lane's pass: its rows (other lanes' too) are what its time bought, and the time it
+        # waited for other lanes' rounds is not this round's cost
+        n_verify = max(r.n_pending + len(r.proposal.tokens) + 1, d.target.n_batch_rows)
+        seconds = t4 - t2 - d.target.t_waited
         if len(path) >= r.n_forced:
-            d.policy.observe(RoundOutcome(r.source, r.drafted, new[r.n_forced:], t4 - t2, d.sampling.greedy,
+            d.policy.observe(RoundOutcome(r.source, r.drafted, new[r.n_forced:], seconds, d.sampling.greedy,
                                           r.report, r.offer, n_verify))
         else:
-            d.policy.observe(RoundOutcome("grammar", EMPTY, new, t4 - t2, d.sampling.greedy, n_verify=n_verify))
+            d.policy.observe(RoundOutcome("grammar", EMPTY, new, seconds, d.sampling.greedy, n_verify=n_verify))
 
 
 def _judge_near_ties(d: Decoding, rows: list[np.ndarray], first_gap: Optional[float], n_past: int, r: _Round,
@@ -190,9 +195,11 @@ def _judge_near_ties(d: Decoding, rows: list[np.ndarray], first_gap: Optional[fl
     where plain decoding could have chosen another token (and the first row's, in round one)."""
     if first_gap is not None:
         _judge_first_row(first_gap, d.limits.tolerance(n_past, 1), d.stats)
-    if not d.sampling.greedy or (d.proposer is None and d.limits.reuse is None):
+    if not d.sampling.greedy or (d.proposer is None and d.limits.reuse is None and d.limits.shared is None):
         return
-    tolerance = d.limits.tolerance(n_past - r.n_pending, r.n_pending + len(r.proposal.tokens) + 1)
+    # the rows' pass: the round's own rows, or more where other lanes' rows rode with them
+    n_rows = max(r.n_pending + len(r.proposal.tokens) + 1, d.target.n_batch_rows)
+    tolerance = d.limits.tolerance(n_past - r.n_pending, n_rows)
     if math.isnan(tolerance):  # this level measured nothing, so nothing can be judged
         d.stats.near_ties = None
         return

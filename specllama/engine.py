@@ -21,12 +21,14 @@ from .fidelity import Limits, parse_level
 from .idle import PROCESS, IdleWork
 from .llama_api import LlamaApi
 from .messages import normalize as normalize_messages
-from .options import GenerateOptions, Prompt, check_n_draft, check_tree, prompt_tokens
+from .options import (GenerateOptions, Prompt, check_cache_mb, check_n_draft, check_n_parallel, check_tree,
+                      prompt_tokens)
 from .planner import Planner, Request
 from .prompt_cache import Budget, PromptCache
 from .runtime.ggml import resident_bytes
 from .runtime.protocols import Drafter, Model
 from .sampling import SamplingSettings
+from .sharing import Sharing, why_not_shared
 from .slots import Pool, Slot, Slots, why_single
 from .stats import Stats
 from .streams import Chunk, Result, Stream
@@ -40,7 +42,6 @@ PROMPT_CACHE_MB = 1024
 # requests decoding side by side, as llama-server's 4 slots: each beyond the first gets contexts
 # of its own (KV cache and compute buffers, not the weights), made when it is first needed
 N_PARALLEL = 4
-MAX_PARALLEL = 64
 
 
 class SpecLlama(LlamaApi, BatchApi):
@@ -53,7 +54,7 @@ class SpecLlama(LlamaApi, BatchApi):
     def __init__(self, target: Model, draft: Optional[Drafter] = None, *, n_draft: Union[int, str] = "auto",
                  exact: Union[str, float, bool] = "rounding", lookup: Optional[bool] = None,
                  prompt_cache_mb: float = PROMPT_CACHE_MB, tree: Union[int, str, bool] = "auto",
-                 idle_work: Optional[bool] = None, n_parallel: int = N_PARALLEL):
+                 idle_work: Optional[bool] = None, n_parallel: int = N_PARALLEL, batch_requests: bool = False):
         self.target, self.draft = target, draft
         self.n_draft = check_n_draft(n_draft)
         self.tree = self._check_tree(tree)
@@ -89,6 +90,13 @@ class SpecLlama(LlamaApi, BatchApi):
             with self._models, PROCESS.busy():
                 self.planner.measure_short((self.level,))
                 self.planner.check_cached_costs()
+        self.sharing: Optional[Sharing] = None  # requests' rows in shared passes (sharing.py)
+        why = why_not_shared(target, draft, slots.n_max) if batch_requests else ""
+        if why:
+            log.info("%s: requests do not share passes: %s", target.name, why)
+        elif batch_requests:
+            with self._models, PROCESS.busy():
+                self.sharing = Sharing(slots.first, slots.n_max, self.prompt_cache_budget, self.pool)
 
     @property
     def speculates(self) -> bool:
@@ -186,6 +194,8 @@ class SpecLlama(LlamaApi, BatchApi):
         self.pool.end_all()
         with self._models, PROCESS.busy():  # whatever still generates has ended
             self.prompt_cache_budget.entries.clear()
+            if self.sharing is not None:
+                self.sharing.close()
             self.pool.slots.close_more()  # their contexts before the models they share
             for runtime in (self.draft, self.target):
                 if runtime is not None:
@@ -251,7 +261,8 @@ class SpecLlama(LlamaApi, BatchApi):
         tokens: list[int] = []
         texts: list[str] = []
         finish = "cancelled"
-        with self.pool.generation(stream, req.prompt, self._check_open) as slot:
+        lane = self.sharing is not None and self.sharing.admits(req.level, req.seeded)
+        with self.pool.generation(stream, req.prompt, self._check_open, lane) as slot:
             proposer, policy = self.planner.plan(req, slot.draft_cache, slot.draft)
             t_start = time.perf_counter()
             stats = Stats(n_prompt=len(req.prompt), n_draft_max=policy.limit if proposer is not None else 0,
@@ -259,7 +270,9 @@ class SpecLlama(LlamaApi, BatchApi):
                           draft_source="mtp" if self.mtp else "model" if self.draft is not None else "")
             n_replayed = slot.target.n_replayed
             stream.stats = stats
-            limits = Limits(req.level, self.batch_diffs)
+            limits = Limits(req.level, self.batch_diffs,
+                            shared=self.sharing.diff if slot.lane and self.sharing is not None else None)
+            slot.target.batch_cap = 1  # the prefill's chunks: alone; the rounds set their own
             steps: Optional[Generator[Any, None, None]] = None
             detokenizer, matcher = Detokenizer(), StopMatcher(req.stop)
             try:
@@ -294,7 +307,7 @@ class SpecLlama(LlamaApi, BatchApi):
                     stats.measurements_pending.append("the decode costs")
                 stream.result = Result("".join(texts), tokens, finish, stats, matcher.matched)
                 self.planner.learned(policy)
-                if slot.index == 0:  # the planner measures on the first slot's contexts
+                if slot.index == 0 and not slot.lane:  # the planner measures on the first slot's contexts
                     self.planner.want_catch_up()
 
     def _emit(self, steps: Iterator[Any], req: Request, stream: Stream, tokens: list[int], texts: list[str],
@@ -361,13 +374,6 @@ def _in_turns(steps: Iterator[Any], turn: Any) -> Iterator[Any]:
         yield step
 
 
-def check_n_parallel(value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_PARALLEL:
-        raise InvalidParameterError("n_parallel", value, f"an integer 1..{MAX_PARALLEL}: how many requests may "
-                                    "decode side by side, each in contexts of its own")
-    return value
-
-
 def _empty() -> Generator[Chunk, None, None]:
     yield from ()
 
@@ -377,12 +383,6 @@ def _accepted_tokens(steps: Iterator[Any]) -> Iterator[tuple[int, bool, Any]]:
     for step in steps:
         for i, token in enumerate(step.tokens):
             yield token, i < step.n_from_draft, None if step.logprobs is None else step.logprobs[i]
-
-
-def check_cache_mb(value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < float("inf"):
-        raise InvalidParameterError("prompt_cache_mb", value, "a size in MiB >= 0 (0: keep no saved states in RAM)")
-    return int(value * 2**20)
 
 
 def _vocab_info(runtime: Model) -> VocabInfo:

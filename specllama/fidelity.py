@@ -196,12 +196,16 @@ class Limits:
 
     reuse: for a generation on a prompt cache that a fresh prefill would not compute bit for
     bit, the measured difference that reuse adds to every row.
+    shared: for a generation in a lane of a shared context (sharing.py), the measured difference
+    its rows carry from other lanes' cells, on every row (plain rounds too).
     """
 
-    def __init__(self, level: Level, table: Optional[DiffTable], reuse: Optional[ReuseTable] = None):
+    def __init__(self, level: Level, table: Optional[DiffTable], reuse: Optional[ReuseTable] = None,
+                 shared: Optional[float] = None):
         self.level = level
         self.table = table
         self.reuse = reuse
+        self.shared = shared
         self.used: dict[str, int] = {}  # KV group label -> the limit rounds met there
         self.waiting: set[str] = set()  # measurements this generation went without (queued for idle time)
         self._drift = 0.0  # largest difference of any batch so far: later rows attend to its KV
@@ -242,7 +246,10 @@ class Limits:
         # rows on a reused cache and rows of a verify batch each stray from plain decoding on
         # a fresh prefill; the two differences add up at most
         reused = self.reuse.get(n_past) if self.reuse is not None else 0.0
-        return 2.0 * (self._drift + reused)
+        # a lane's other-cells difference, measured at a short context: where batches of this KV
+        # length were measured to differ more, that larger figure (both are float rounding)
+        shared = 0.0 if self.shared is None else max(self.shared, max(diffs.diffs, default=0.0) if diffs else 0.0)
+        return 2.0 * (self._drift + reused + shared)
 
 
 def top_gap(row: np.ndarray) -> float:

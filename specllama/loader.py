@@ -33,7 +33,7 @@ def load(target: Any, draft: Any = None, *, n_draft: Union[int, str] = "auto",
          exact: Union[str, float, bool] = "rounding",
          lookup: Optional[bool] = None, check_memory: bool = True, prompt_cache_mb: float = PROMPT_CACHE_MB,
          tree: Union[int, str, bool] = "auto", idle_work: Optional[bool] = None, n_parallel: int = N_PARALLEL,
-         **model_settings: Any) -> SpecLlama:
+         batch_requests: bool = False, **model_settings: Any) -> SpecLlama:
     """Load a target model and an optional draft of the same family.
 
     Args:
@@ -64,6 +64,10 @@ def load(target: Any, draft: Any = None, *, n_draft: Union[int, str] = "auto",
             slots), each in contexts of its own on the shared weights, made when first needed
             (a KV cache and compute buffers each); their rounds take turns, so each request's
             output is the one it has alone. Further requests wait for a free slot.
+        batch_requests: also make one target context of n_parallel lanes, where requests at
+            a level that allows it (not bitwise, not seeded) decode side by side with their
+            rows in one llama_decode per round (sharing.py); n_parallel x n_ctx KV cells, and
+            a probe of a few seconds at the first load (cached).
         exact: the fidelity level: "bitwise", "rounding" (default), "off", a bound in logits,
             or True/False for "bitwise"/"off" (see fidelity.py).
         **model_settings: ModelSettings' fields for both models (n_ctx, n_batch, n_threads,
@@ -86,6 +90,8 @@ def load(target: Any, draft: Any = None, *, n_draft: Union[int, str] = "auto",
     parse_level(exact)
     check_cache_mb(prompt_cache_mb)
     check_n_parallel(n_parallel)
+    if not isinstance(batch_requests, bool):
+        raise InvalidParameterError("batch_requests", batch_requests, "True or False")
     if draft == "ngram":
         draft, lookup = None, True
     target_settings, draft_settings = ModelSettings(**target_kw), ModelSettings(**draft_kw)
@@ -132,7 +138,7 @@ def load(target: Any, draft: Any = None, *, n_draft: Union[int, str] = "auto",
                 opened.append(draft_rt)
         return SpecLlama(target_rt, draft_rt, n_draft=n_draft, exact=exact, lookup=lookup,
                          prompt_cache_mb=prompt_cache_mb, tree=tree, idle_work=idle_work,
-                         n_parallel=n_parallel)
+                         n_parallel=n_parallel, batch_requests=batch_requests)
     except BaseException:
         for handle in reversed(opened):
             handle.close()

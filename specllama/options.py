@@ -136,3 +136,19 @@ def prompt_tokens(prompt: Prompt, tokenize: Any, n_vocab: int, n_ctx: int) -> li
         raise PromptTooLongError(f"the prompt has {len(tokens)} tokens but the context holds {n_ctx}; shorten the "
                                  "prompt or load with a larger n_ctx", len(tokens), n_ctx)
     return tokens
+
+
+MAX_PARALLEL = 64
+
+
+def check_n_parallel(value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_PARALLEL:
+        raise InvalidParameterError("n_parallel", value, f"an integer 1..{MAX_PARALLEL}: how many requests may "
+                                    "decode side by side, each in contexts of its own")
+    return value
+
+
+def check_cache_mb(value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < float("inf"):
+        raise InvalidParameterError("prompt_cache_mb", value, "a size in MiB >= 0 (0: keep no saved states in RAM)")
+    return int(value * 2**20)

@@ -79,6 +79,16 @@ class Turns:
                 self._holder = None
                 self._cv.notify_all()
 
+    def n_waiting(self) -> int:
+        """Threads waiting for the turn."""
+        with self._cv:
+            return len(self._queue)
+
+    def holding(self) -> bool:
+        """Whether this thread holds the turn."""
+        with self._cv:
+            return self._holder == threading.get_ident()
+
     def pass_turn(self) -> None:
         """(the turn held) Let the threads waiting for it go first, then take it back: a long
         prefill does this between its chunks, so the requests streaming beside it go on."""
@@ -107,6 +117,7 @@ class Slot:
     draft_cache: Optional[PromptCache]
     owner: Optional[int] = None  # the thread generating in it (None: free)
     n_bytes: int = 0  # what making it took (RAM); 0 for the first slot
+    lane: bool = False  # its target is a lane of the shared context (rows share passes)
 
     def between_chunks(self, call: Optional[Callable[[], None]]) -> None:
         """What this slot's runtimes call between the chunks of a long decode (None: nothing);
@@ -131,6 +142,8 @@ class Slots:
     budget: Budget
     note: str = ""
     more: list[Slot] = field(default_factory=list)
+    # a new slot's target: a context of its own (None), or lane i of the shared context
+    lane_of: Optional[Callable[[int], Model]] = None
 
     @property
     def all(self) -> list[Slot]:
@@ -158,18 +171,21 @@ class Slots:
         """A new slot: contexts on the same models (call with the models' turn held: llama.cpp
         makes a context while nothing decodes)."""
         first = self.first
-        target: Any = first.target.sibling()  # type: ignore[attr-defined]
+        make = self.lane_of if self.lane_of is not None else lambda _: first.target.sibling()  # type: ignore[attr-defined]
+        target: Any = make(len(self.all))
         draft: Any = None
         try:
             if first.draft is not None:
                 draft = first.draft.sibling()  # type: ignore[attr-defined]
         except BaseException:
-            target.close()
+            if self.lane_of is None:
+                target.close()
             raise
         n_bytes = sum(rt.memory_use.total for rt in (target, draft) if rt is not None and rt.memory_use is not None)
         slot = Slot(len(self.all), target, draft, PromptCache(target, self.budget, owner=first.target_cache),
                     None if draft is None or first.draft_cache is None
-                    else PromptCache(draft, self.budget, owner=first.draft_cache), n_bytes=n_bytes)
+                    else PromptCache(draft, self.budget, owner=first.draft_cache), n_bytes=n_bytes,
+                    lane=first.lane)
         self.more.append(slot)
         log.info("%s: a request decodes in slot %d, beside %d others (%.0f MiB for its contexts)",
                  first.target.name, slot.index, len(self.all) - 1, n_bytes / 2**20)
@@ -202,6 +218,7 @@ class Pool:
 
     def __init__(self, slots: Slots, idle_busy: Callable[[], None]):
         self.slots, self._idle_busy = slots, idle_busy
+        self.lanes: Optional[Slots] = None  # slots on the shared context (sharing.py), where made
         self.turn = Turns()
         self._cv = threading.Condition()
         self.streams: set[Any] = set()
@@ -210,19 +227,22 @@ class Pool:
         self._exclusive = False
 
     @contextmanager
-    def generation(self, stream: Any, prompt: list[int], check_open: Callable[[], None]) -> Iterator[Slot]:
-        """A slot for stream's generation, for as long as it runs: the free one sharing the most
-        with prompt, a new one while under n_max, or the next to be freed by another thread.
-        BusyError while exclusive(), or when this thread's own open streams hold every slot."""
+    def generation(self, stream: Any, prompt: list[int], check_open: Callable[[], None],
+                   lane: bool = False) -> Iterator[Slot]:
+        """A slot for stream's generation, for as long as it runs (a lane where lane and the
+        lanes exist): the free one sharing the most with prompt, a new one while under n_max, or
+        the next to be freed by another thread. BusyError while exclusive(), or when this
+        thread's own open streams hold every slot."""
         me = threading.get_ident()
+        group = self.lanes if lane and self.lanes is not None else self.slots
         with self._cv:
-            slot = self._take(prompt, me)
+            slot = self._take(group, prompt, me)
             self.streams.add(stream)
             self.n_generating += 1
         try:
             with PROCESS.busy():  # idle work anywhere in the process ends first
                 while slot is None:  # a new slot, made in the models' turn
-                    slot = self._grow(me, prompt, check_open)
+                    slot = self._grow(group, me, prompt, check_open)
                 check_open()  # closed while it waited to start
                 slot.between_chunks(self.turn.pass_turn)
                 yield slot
@@ -236,56 +256,56 @@ class Pool:
                 self._cv.notify_all()
             self._idle_busy()
 
-    def _take(self, prompt: list[int], me: int) -> Optional[Slot]:
+    def _take(self, slots: Slots, prompt: list[int], me: int) -> Optional[Slot]:
         """(the condition held) A free slot now, or None with a new one reserved; waits for
         one that another thread frees."""
         while True:
             if self._exclusive:
                 raise BusyError("this SpecLlama's models are in exclusive use (a calibration or doctor); "
                                 "generate once it ends")
-            slot = self.slots.free_for(prompt)
+            slot = slots.free_for(prompt)
             if slot is not None:
                 slot.owner = me
                 return slot
-            if len(self.slots.all) + self._n_growing < self.slots.n_max:
-                short = self.slots.ram_short()
+            if len(slots.all) + self._n_growing < slots.n_max:
+                short = slots.ram_short()
                 if not short:
                     self._n_growing += 1
                     return None
-                self.slots.n_max = len(self.slots.all)
-                log.warning("%s: %s; serving at most %d requests at once", self.slots.first.target.name, short,
-                            self.slots.n_max)
-            if all(s.owner == me for s in self.slots.all) and not self._n_growing:
-                n = len(self.slots.all)
-                why = f" ({self.slots.note})" if self.slots.note else ""
+                slots.n_max = len(slots.all)
+                log.warning("%s: %s; serving at most %d requests at once", slots.first.target.name, short,
+                            slots.n_max)
+            if all(s.owner == me for s in slots.all) and not self._n_growing:
+                n = len(slots.all)
+                why = f" ({slots.note})" if slots.note else ""
                 raise BusyError(f"this SpecLlama is generating in all its {n} slot{'s' * (n > 1)}{why}, for "
                                 "streams this thread holds open; finish or close() one of them first"
-                                + ("" if self.slots.note else ", or load() with a larger n_parallel"))
+                                + ("" if slots.note else ", or load() with a larger n_parallel"))
             self._cv.wait()
 
-    def _grow(self, me: int, prompt: list[int], check_open: Callable[[], None]) -> Optional[Slot]:
+    def _grow(self, slots: Slots, me: int, prompt: list[int], check_open: Callable[[], None]) -> Optional[Slot]:
         """A new slot owned by me; where llama.cpp cannot make one, no more are tried and the
         next free slot is waited for (None: take again)."""
         new: Optional[Slot] = None
         try:
             with self.turn:
                 check_open()
-                new = self.slots.grow()
+                new = slots.grow()
         except (SlotUnavailable, InvalidParameterError) as e:
             log.warning("%s: no further slot (%s); requests beyond %d wait for one to be free",
-                        self.slots.first.target.name, e, len(self.slots.all))
+                        slots.first.target.name, e, len(slots.all))
         finally:
             with self._cv:
                 self._n_growing -= 1
                 if new is None:
-                    self.slots.n_max = len(self.slots.all)
+                    slots.n_max = len(slots.all)
                 self._cv.notify_all()
         if new is not None:
             with self._cv:
                 new.owner = me
             return new
         with self._cv:
-            return self._take(prompt, me)
+            return self._take(slots, prompt, me)
 
     @contextmanager
     def exclusive(self) -> Iterator[None]:

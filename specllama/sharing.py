@@ -1,0 +1,92 @@
+"""Requests whose rows share the target's passes: lanes of one shared target context.
+
+With load(..., batch_requests=True) and n_parallel > 1, a SpecLlama also makes one target
+context of n_parallel lanes (runtime/shared.py). A request that may share (its fidelity level
+allows the difference a lane's rows carry, and it is not seeded) decodes in a lane slot: its own
+sequences, its own draft context, its own prompt cache entries; its target rows ride in one
+llama_decode with the other lanes' rows of the same round, where its level allows a pass of
+that many rows at its KV length. Other requests decode in slots of their own, as without it.
+
+What a lane's rows carry: other lanes' cells between its own change llama.cpp's attention sums,
+so a lane's rows differ from a context of its own even decoded alone. That difference is
+measured once per model file, settings and build (measure_apart_diff, a few seconds, at load),
+and a lane's near-ties are judged with it on every row, plain rounds included.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any, Optional
+
+from . import records
+from .fidelity import Level
+from .prompt_cache import Budget, PromptCache
+from .runtime.protocols import Drafter, Model
+from .slots import Pool, Slot, Slots
+
+log = logging.getLogger("specllama")
+
+
+def why_not_shared(target: Model, draft: Optional[Drafter], n_parallel: int) -> str:
+    """Why requests on these models cannot share passes ("" where they can)."""
+    if n_parallel < 2:
+        return "n_parallel is 1"
+    if target.memory != "attention":
+        return f"{target.name} keeps a {target.memory} memory, whose rollback is per context"
+    if getattr(target, "settings", None) is None or not hasattr(target, "sibling"):
+        return f"{target.name} is not a model this process loaded from a file"
+    if draft is not None and (draft.follows_target or not hasattr(draft, "sibling")):
+        return "the draft cannot have a context per lane (MTP layers, or a model on RPC workers)"
+    return ""
+
+
+def apart_key(target: Model, n_lanes: int) -> str:
+    return f"apart_diff|{target.identity}|{n_lanes}"
+
+
+class Sharing:
+    """The shared context, its lane slots, and the difference a lane's rows carry (diff)."""
+
+    def __init__(self, first: Slot, n_lanes: int, budget: Budget, pool: Pool):
+        from .runtime.shared import SharedContext, measure_apart_diff
+
+        self.context = SharedContext(first.target, n_lanes)
+        try:
+            record = records.read(apart_key(first.target, n_lanes))
+            if record is None:
+                t0 = time.perf_counter()
+                diff = measure_apart_diff(first.target, self.context)
+                record = records.write(apart_key(first.target, n_lanes),
+                                       {"diff": diff, "seconds": time.perf_counter() - t0}, "probe at load")
+                log.info("%s: a lane's rows differ from a context of its own by %.3g logits (measured in %.1f s)",
+                         first.target.name, diff, record["seconds"])
+            self.diff = float(record["diff"])
+            target = self.context.lane(0)
+            draft: Any = first.draft.sibling() if first.draft is not None else None  # type: ignore[attr-defined]
+        except BaseException:
+            self.context.close()
+            raise
+        lane0 = Slot(0, target, draft, PromptCache(target, budget, owner=first.target_cache),
+                     None if draft is None or first.draft_cache is None
+                     else PromptCache(draft, budget, owner=first.draft_cache), lane=True)
+        self.slots = Slots(lane0, n_lanes, budget, lane_of=self.context.lane)
+        self.context.turn = pool.turn
+        self.context.n_active = lambda: self.slots.n_busy
+        pool.lanes = self.slots
+
+    def admits(self, level: Level, seeded: bool) -> bool:
+        """Whether a request at level may decode in a lane: its level allows the difference a
+        lane's rows carry, and no seed asks for the text it has alone."""
+        return not seeded and self.diff <= level.bound
+
+    def as_dict(self) -> dict:
+        return {"n_lanes": self.context.n_lanes, "apart_diff": self.diff, "n_passes": self.context.n_passes,
+                "n_shared_passes": self.context.n_shared_passes}
+
+    def close(self) -> None:
+        """The lane slots' draft contexts, then the shared context (before the models)."""
+        self.slots.close_more()
+        if self.slots.first.draft is not None:
+            self.slots.first.draft.close()
+        self.context.close()
