@@ -180,13 +180,15 @@ def _record(d: Decoding, r: _Round, path: list[int], new: list[int], times: tupl
     if d.proposer is not None:
         # a lane's pass: its rows (other lanes' too) are what its time bought, and the time it
         # waited for other lanes' rounds is not this round's cost
-        n_verify = max(r.n_pending + len(r.proposal.tokens) + 1, d.target.n_batch_rows)
-        seconds = t4 - t2 - d.target.t_waited
+        n_own = r.n_pending + len(r.proposal.tokens) + 1
+        n_verify = max(n_own, d.target.n_batch_rows)
+        seconds, lanes = t4 - t2 - d.target.t_waited, (n_verify - n_own, d.target.n_batch_lanes)
         if len(path) >= r.n_forced:
             d.policy.observe(RoundOutcome(r.source, r.drafted, new[r.n_forced:], seconds, d.sampling.greedy,
-                                          r.report, r.offer, n_verify))
+                                          r.report, r.offer, n_verify, *lanes))
         else:
-            d.policy.observe(RoundOutcome("grammar", EMPTY, new, seconds, d.sampling.greedy, n_verify=n_verify))
+            d.policy.observe(RoundOutcome("grammar", EMPTY, new, seconds, d.sampling.greedy, n_verify=n_verify,
+                                          n_other=lanes[0], n_lanes=lanes[1]))
 
 
 def _judge_near_ties(d: Decoding, rows: list[np.ndarray], first_gap: Optional[float], n_past: int, r: _Round,

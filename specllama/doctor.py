@@ -22,6 +22,7 @@ from .calibrate import calibrate_fidelity, fidelity_key
 from .controller import OnlineCosts, draft_can_pay
 from .fidelity import LEVELS, group_label, kv_group
 from .limits import MAX_VERIFY
+from .sharing import apart_key, why_not_shared
 
 REBUILD = ("bash scripts/setup.sh (it picks Metal or CUDA for the machine), or in your own environment "
            "CMAKE_ARGS=-DGGML_CUDA=on pip install --force-reinstall --no-cache-dir llama-cpp-python==0.3.36")
@@ -90,7 +91,21 @@ def model_report(llm: Any, n_groups: int = 3) -> dict:
                          "draft_token": round(costs.draft_token * 1000, 1)},
             "costs_measured": records.describe(llm.planner.costs_record),
             "verdict": verdict(costs, k_max, draft is not None),
-            "slots": {"n_max": llm.pool.slots.n_max, "note": llm.pool.slots.note}}
+            "slots": {"n_max": llm.pool.slots.n_max, "note": llm.pool.slots.note,
+                      "batch_requests": sharing_report(llm)}}
+
+
+def sharing_report(llm: Any) -> dict:
+    """Whether requests' rows can share passes here (sharing.py), and at which levels: the lane
+    difference as measured at a load with batch_requests (None until one ran)."""
+    n_lanes = llm.pool.slots.n_max
+    why = why_not_shared(llm.target, llm.draft, n_lanes)
+    if why:
+        return {"possible": False, "why": why}
+    record = records.read(apart_key(llm.target, n_lanes))
+    diff = None if record is None else float(record["diff"])
+    return {"possible": True, "apart_diff": diff, "measured": records.describe(record),
+            "levels": None if diff is None else {name: diff <= LEVELS[name].bound for name in ("bitwise", "rounding")}}
 
 
 def memory_report(target: "Runtime") -> dict:
@@ -173,4 +188,17 @@ def print_report(report: dict) -> list[str]:
                          f"  requests at once: up to {slots['n_max']} (n_parallel), each in contexts of its own on "
                          "the shared weights (a KV cache and compute buffers more, made when a request needs "
                          "them); their rounds take turns, so each output is the one it has alone")
+            lines.append(f"  {_describe_sharing(slots['batch_requests'])}")
     return lines
+
+
+def _describe_sharing(b: dict) -> str:
+    if not b["possible"]:
+        return f"rows of requests in one pass (--batch-requests): not here, {b['why']}"
+    if b["apart_diff"] is None:
+        return ("rows of requests in one pass (--batch-requests): possible; the difference a lane's rows carry "
+                "is measured at the first load with it")
+    allowed = [name for name, ok in b["levels"].items() if ok]
+    return (f"rows of requests in one pass (--batch-requests): a lane's rows differ by {b['apart_diff']:.3g} logits "
+            f"({b['measured']}), so requests at " + (" and ".join(allowed) if allowed else "no named level (a bound "
+            f"of at least {b['apart_diff']:.2g} does)") + " share passes; the others keep contexts of their own")

@@ -91,7 +91,7 @@ class SpecLlama(LlamaApi, BatchApi):
                 self.planner.measure_short((self.level,))
                 self.planner.check_cached_costs()
         self.sharing: Optional[Sharing] = None  # requests' rows in shared passes (sharing.py)
-        why = why_not_shared(target, draft, slots.n_max) if batch_requests else ""
+        why = (slots.note or why_not_shared(target, draft, slots.n_max)) if batch_requests else ""
         if why:
             log.info("%s: requests do not share passes: %s", target.name, why)
         elif batch_requests:

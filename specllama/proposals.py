@@ -70,7 +70,8 @@ class RoundOutcome:
     grammar forced); proposal and report: what the source proposed (before forced tokens);
     new: the tokens the round produced (accepted drafts, then the target's own); seconds: its
     verify pass and rollback; offer: what prompt lookup offered at its start; n_verify: the
-    rows verified (forced and pending tokens included)."""
+    rows verified (forced and pending tokens included; a lane's: the whole shared pass's);
+    n_other, n_lanes: a lane's pass, the rows in it of n_lanes - 1 other lanes."""
 
     source: str
     proposal: Proposal
@@ -80,6 +81,8 @@ class RoundOutcome:
     report: DraftReport = NO_REPORT
     offer: list[int] = field(default_factory=list)
     n_verify: int = 0
+    n_other: int = 0
+    n_lanes: int = 1
 
     @property
     def rows(self) -> int:

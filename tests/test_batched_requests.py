@@ -137,3 +137,52 @@ def test_groups_respect_the_batch_and_every_members_cap():
 def test_batch_requests_is_checked(model_paths):
     with pytest.raises(InvalidParameterError, match="batch_requests"):
         specllama.load(model_paths["target"], batch_requests="yes", **SETTINGS)
+
+
+def test_hybrid_and_mtp_targets_decode_apart_and_say_why(tiny_paths, caplog):
+    """A hybrid target's recurrent state rolls back per context, and MTP layers follow one
+    target context: with batch_requests they keep contexts of their own, and the log says why."""
+    import logging
+
+    with caplog.at_level(logging.INFO, logger="specllama"):
+        with specllama.load(tiny_paths["hybrid-target"], batch_requests=True, n_parallel=2, **SETTINGS) as llm:
+            assert llm.sharing is None
+            results = at_once(llm, ["Hello there", "Once upon a time"], max_tokens=8)
+            assert all(len(r.tokens) == 8 for r in results)
+    assert "requests do not share passes" in caplog.text and "memory" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="specllama"):
+        with specllama.load(tiny_paths["hybrid-target"], "mtp", batch_requests=True, n_parallel=2, **SETTINGS) as llm:
+            assert llm.sharing is None and len(llm.generate("Hello", max_tokens=4).tokens) == 4
+    assert "requests do not share passes: the target's MTP layers follow one target context" in caplog.text
+
+
+def test_served_with_batch_requests_a_leaving_client_leaves_the_other_unchanged(model_paths, tmp_path):
+    """`serve --batch-requests`: two streamed chats at once share passes (/health counts them);
+    one client leaving mid-stream leaves the other's text as it is alone; the server goes on."""
+    import httpx
+    import openai
+
+    from serving import serve
+    from test_concurrency import _stream_text
+
+    with serve(model_paths["target"], tmp_path / "serve.log", "--draft", str(model_paths["draft"]),
+               "--batch-requests", "--exact", str(BOUND), "--api-key", "k") as (base, _):
+        client = openai.OpenAI(base_url=f"{base}/v1", api_key="k", max_retries=0, timeout=300)
+        asks = ["Count from one to thirty in words.", "Write a haiku about autumn rain."]
+        alone = _stream_text(client, asks[1], 48)
+        got: dict = {}
+        threads = [threading.Thread(target=lambda: got.update(left=_stream_text(client, asks[0], 400, stop_after=8))),
+                   threading.Thread(target=lambda: got.update(other=_stream_text(client, asks[1], 48)))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(300)
+        health = httpx.get(f"{base}/health", timeout=10).json()
+        assert health["batch_requests"]["n_shared_passes"] > 0, health
+        if got["other"] != alone:  # only where a near-tie was counted (a lane's rows carry their difference)
+            metrics = httpx.get(f"{base}/metrics", timeout=10, headers={"Authorization": "Bearer k"}).text
+            counted = [line for line in metrics.splitlines() if line.startswith("specllama_near_ties_total")]
+            assert counted and float(counted[0].split()[-1]) > 0, (got["other"], alone)
+        assert _stream_text(client, asks[1], 48) == alone
+        assert httpx.get(f"{base}/health", timeout=10).json()["requests_active"] == 0

@@ -492,3 +492,29 @@ def test_a_pairs_record_round_trips_and_a_new_process_still_tries_the_draft_firs
 def test_a_malformed_record_is_a_fresh_start(record):
     acc = Acceptance.from_record(record)
     assert acc.seen.sum() == 0 and acc.long_run() == 0.6
+
+
+def test_a_lane_drafts_exactly_where_drafting_raises_all_lanes_rate():
+    """shared_pass_costs: a lane comparing its own rates under v' (plain vs k drafts, each
+    accepted with probability a) decides as the aggregate rate of all lanes would; alone
+    (one lane) v' is the pass curve itself."""
+    from specllama.controller.costs import shared_pass_costs
+
+    rng = np.random.default_rng(3)
+    v = np.concatenate(([0.0], 0.1 + np.cumsum(rng.uniform(0.002, 0.05, 40))))
+    assert np.array_equal(shared_pass_costs(v, 0, 1, 8), v[:9])
+    n_agree = 0
+    for _ in range(300):
+        n_lanes = int(rng.integers(2, 6))
+        n_other = n_lanes - 1 + int(rng.integers(0, 8))  # the others' rows, drafts included
+        k, a, c_d = int(rng.integers(1, 6)), float(rng.uniform(0.2, 0.95)), float(rng.uniform(0.005, 0.06))
+        w = shared_pass_costs(v, n_other, n_lanes, 8)
+        gain = sum(a ** m for m in range(1, k + 1))
+        own = (1 + gain) / (k * c_d + w[k + 1]) > 1 / w[1]
+        # all lanes: one token each per plain pass (the others' tokens counted per lane) vs the
+        # same pass with this lane's k drafts added
+        t_plain = v[n_other + 1]
+        together = (n_lanes + gain) / (t_plain + k * c_d + v[n_other + 1 + k] - t_plain) > n_lanes / t_plain
+        assert own == together
+        n_agree += own
+    assert 0 < n_agree < 300  # both answers occur

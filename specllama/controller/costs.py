@@ -160,3 +160,17 @@ def draft_can_pay(costs: OnlineCosts, k_max: int) -> bool:
     ks = np.arange(1, k_max + 1)
     v = costs.table(k_max + 1)
     return k_max > 0 and bool(np.max((ks + 1) / (ks * costs.draft_token + v[ks + 1])) > 1.0 / v[1])
+
+
+def shared_pass_costs(v: np.ndarray, n_other: int, n_lanes: int, n_max: int) -> np.ndarray:
+    """[0, v'(1), ..., v'(n_max)]: what n rows of one lane cost the requests together when its
+    rows ride in a pass with n_other rows of n_lanes - 1 other lanes (v: the pass costs, up to
+    at least n_other + n_max rows). v'(1) is the lane's share of a plain pass, v(n_other + 1) /
+    n_lanes; each further row costs what it adds to the pass. A lane that maximises its own
+    tokens per second under v' drafts exactly where the drafts raise all lanes' tokens per
+    second together: drafts pay only while the rows they add are cheap beside the pass."""
+    if n_lanes <= 1 or n_other <= 0:
+        return v[:n_max + 1]
+    n = np.arange(1, n_max + 1)
+    base = v[n_other + 1]
+    return np.concatenate(([0.0], base / n_lanes + v[n_other + n] - base))

@@ -53,7 +53,7 @@ from ..proposals import RoundOutcome
 from ..tree import Tree
 from .acceptance import N_EXPLORE, Acceptance
 from ..limits import TREE_ROWS
-from .costs import OnlineCosts
+from .costs import OnlineCosts, shared_pass_costs
 
 EXPLORE_SHARE = 0.015  # of the modelled time of rounds without the draft, spent trying it again
 TRY_DRAFT = 2  # the most tokens such a try drafts
@@ -144,6 +144,7 @@ class Controller:
         self._credit = 0.0  # modelled seconds the controller may spend trying the draft again
         self._trying = False  # this round tries a draft its record says loses
         self._rate_else = 0.0  # the best rate without the draft, as this round was planned
+        self._load = (0, 1)  # the last round's pass: other lanes' rows in it, lanes in it
 
     def _best_draft_rate(self, alpha: float, k_max: int, c_d: Optional[float] = None,
                          extra: float = 0.0) -> tuple[float, int]:
@@ -175,7 +176,7 @@ class Controller:
         k_cap = min(k_cap, self.limit)
         self._round, self._match, self._trying = None, n_match, False
         best, choice = 1.0 / self._v[1], ("none", 0)
-        if k_cap <= 0 or self.costs.wants(1):
+        if k_cap <= 0 or (self.costs.wants(1) and self._load[1] <= 1):
             # a plain round now and then keeps v(1), the figure every choice is weighed
             # against, measured: a stale one could keep speculation on where it loses
             return choice
@@ -282,7 +283,12 @@ class Controller:
                 self.draft_acceptance.judge(confidence, new[-1] == token, proposed=False)
         if outcome.offer:
             self._judge_offer(outcome.offer, new)
-        self._v = self.costs.table(self.limit + TREE_ROWS)
+        # a lane plans the next round as if its pass held the others' rows again (load-adaptive:
+        # drafts pay only while their rows are cheap beside the pass)
+        self._load = (outcome.n_other, outcome.n_lanes)
+        n_rows = self.limit + TREE_ROWS
+        self._v = shared_pass_costs(self.costs.table(n_rows + outcome.n_other), outcome.n_other, outcome.n_lanes,
+                                    n_rows)
         self._c_d = self.costs.draft_token
 
     def _pay_for_trying(self, outcome: RoundOutcome) -> None:

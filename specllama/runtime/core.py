@@ -86,6 +86,7 @@ class Runtime(Vocab, TreeDecoding):
         # (1: its rows alone); what the fidelity level allows at its KV length, set per round
         self.batch_cap = 1
         self.n_batch_rows = 0  # rows in the pass that computed the last decode's rows
+        self.n_batch_lanes = 1  # lanes whose rows were in that pass
         self.t_waited = 0.0  # of the last decode's time, what it waited for other lanes' rounds
         self._rows = _Rows()
         self._tree: Optional[TreeDecode] = None  # a decoded tree, until one path of it is kept
@@ -212,12 +213,13 @@ class Runtime(Vocab, TreeDecoding):
         lanes' rows, which keeps copies of this batch's rows)."""
         if self._lane is None:
             self._check(llama_cpp.llama_decode(self._ctx.ptr, self._batch.c), pos, n_tokens)
-            self.n_batch_rows, self.t_waited = n_tokens, 0.0
+            self.n_batch_rows, self.n_batch_lanes, self.t_waited = n_tokens, 1, 0.0
             return
         t0 = time.perf_counter()
-        status, self._rows.copied, self.n_batch_rows, seconds = self._lane.shared.decode(self._batch, self.batch_cap)
-        self.t_waited = max(0.0, time.perf_counter() - t0 - seconds)
-        self._check(status, pos, n_tokens)
+        job = self._lane.shared.decode(self._batch, self.batch_cap)
+        self._rows.copied, self.n_batch_rows, self.n_batch_lanes = job.rows, job.n_rows, job.n_lanes
+        self.t_waited = max(0.0, time.perf_counter() - t0 - job.seconds)
+        self._check(job.status, pos, n_tokens)
 
     def _check(self, status: int, pos: int, n_tokens: int) -> None:
         if status == 0:

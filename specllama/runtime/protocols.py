@@ -97,6 +97,7 @@ class Model(Vocabulary, Protocol):
     follows_target: bool
     batch_cap: int  # a lane: the most rows the pass computing its next rows may have
     n_batch_rows: int  # rows in the pass that computed the last decode's rows
+    n_batch_lanes: int  # lanes whose rows were in that pass (1: a context of its own)
     t_waited: float  # of the last decode's time, what it waited for other lanes' rounds
 
     @property

@@ -53,6 +53,7 @@ class RemoteRuntime:
     follows_target = False
     batch_cap = 1  # one context in the host: no lanes
     n_batch_rows = 0  # unknown: the round's own rows
+    n_batch_lanes = 1
     t_waited = 0.0
 
     def __init__(self, settings: ModelSettings):

@@ -51,6 +51,7 @@ class _Job:
     rows: dict[int, np.ndarray] = field(default_factory=dict)
     n_rows: int = 0
     seconds: float = 0.0  # the pass's llama_decode
+    n_lanes: int = 1  # lanes whose rows were in the pass
 
 
 class SharedContext:
@@ -107,9 +108,10 @@ class SharedContext:
 
     # --- passes --------------------------------------------------------------------------------
 
-    def decode(self, batch: Batch, cap: int) -> tuple[int, dict[int, np.ndarray], int, float]:
+    def decode(self, batch: Batch, cap: int) -> _Job:
         """Decode a lane's filled batch (call in the models' turn, which is held again on return):
-        (llama_decode's status, its rows' logits by batch row, rows in the pass, its seconds)."""
+        its job, done (status: llama_decode's; rows: its logits by batch row; the pass's rows,
+        lanes and seconds)."""
         job = _Job(batch.items(), max(1, cap))
         deadline = time.perf_counter() + min(GRACE_SHARE * self._t_pass, GRACE_MAX)
         with self._cv:
@@ -121,7 +123,7 @@ class SharedContext:
                 if now:
                     self._flush()
                 if job.done:
-                    return job.status, job.rows, job.n_rows, job.seconds
+                    return job
                 self.turn.release()  # the others' rounds reach their passes
                 if now is None:  # no one waits for the turn: a lane between rounds may park soon
                     with self._cv:
@@ -205,7 +207,7 @@ class SharedContext:
             return status
         n_rows, offset = offset, 0
         for job in group:
-            job.n_rows, job.seconds = n_rows, seconds
+            job.n_rows, job.seconds, job.n_lanes = n_rows, seconds, len(group)
             for i, (_, _, _, keep) in enumerate(job.items):
                 if keep:
                     ptr = llama_cpp.llama_get_logits_ith(self._ctx.ptr, offset + i)

@@ -217,8 +217,10 @@ def _shared_routes(app: FastAPI, server: Server) -> None:
     async def health() -> JSONResponse:
         if server.llm is None:
             return JSONResponse({"status": "error" if server.error else "loading"}, status_code=503)
+        sharing = getattr(server.llm, "sharing", None)  # rows of requests in one pass (--batch-requests)
         return JSONResponse({"status": "ok", "slots": server.n_parallel, "requests_active": server.n_active,
-                             "requests_queued": server.n_queued})
+                             "requests_queued": server.n_queued,
+                             **({"batch_requests": sharing.as_dict()} if sharing is not None else {})})
 
     @app.api_route("/", methods=["GET", "HEAD"])
     async def root() -> JSONResponse:
