@@ -3,7 +3,7 @@
 With load(..., batch_requests=True) and n_parallel > 1, a SpecLlama also makes one target
 context of n_parallel lanes (runtime/shared.py). A request that may share (its fidelity level
 allows the difference a lane's rows carry, and it is not seeded) decodes in a lane slot: its own
-sequences, its own draft context, its own prompt cache entries; its target rows ride in one
+sequences in the target's and the draft's shared contexts, its own prompt cache entries; its target rows ride in one
 llama_decode with the other lanes' rows of the same round, where its level allows a pass of
 that many rows at its KV length. Other requests decode in slots of their own, as without it.
 
@@ -36,8 +36,9 @@ def why_not_shared(target: Model, draft: Optional[Drafter], n_parallel: int) -> 
         return f"{target.name} keeps a {target.memory} memory, whose rollback is per context"
     if getattr(target, "settings", None) is None or not hasattr(target, "sibling"):
         return f"{target.name} is not a model this process loaded from a file"
-    if draft is not None and (draft.follows_target or not hasattr(draft, "sibling")):
-        return "the draft cannot have a context per lane (MTP layers, or a model on RPC workers)"
+    if draft is not None and (draft.follows_target or not hasattr(draft, "sibling")
+                              or getattr(draft, "memory", "attention") != "attention"):
+        return "the draft cannot have a lane per request (MTP layers, a recurrent memory, or RPC workers)"
     return ""
 
 
@@ -62,18 +63,31 @@ class Sharing:
                 log.info("%s: a lane's rows differ from a context of its own by %.3g logits (measured in %.1f s)",
                          first.target.name, diff, record["seconds"])
             self.diff = float(record["diff"])
-            target = self.context.lane(0)
-            draft: Any = first.draft.sibling() if first.draft is not None else None  # type: ignore[attr-defined]
+            # the draft's steps of all lanes in one pass too (what it proposes, never what is
+            # accepted, depends on its rows)
+            self.draft_context = SharedContext(first.draft, n_lanes) if first.draft is not None else None
         except BaseException:
             self.context.close()
             raise
+        target, draft = self.context.lane(0), self._draft_lane(0)
         lane0 = Slot(0, target, draft, PromptCache(target, budget, owner=first.target_cache),
                      None if draft is None or first.draft_cache is None
                      else PromptCache(draft, budget, owner=first.draft_cache), lane=True)
-        self.slots = Slots(lane0, n_lanes, budget, lane_of=self.context.lane)
-        self.context.turn = pool.turn
-        self.context.n_active = lambda: self.slots.n_busy
+        self.slots = Slots(lane0, n_lanes, budget, lane_of=self.context.lane,
+                           draft_lane_of=self._draft_lane if draft is not None else None)
+        for context in (self.context, self.draft_context):
+            if context is not None:
+                context.turn, context.n_active = pool.turn, lambda: self.slots.n_busy
+        if self.draft_context is not None:
+            self.draft_context.join(self.context)
         pool.lanes = self.slots
+
+    def _draft_lane(self, index: int) -> Any:
+        if self.draft_context is None:
+            return None
+        draft = self.draft_context.lane(index)
+        draft.batch_cap = self.draft_context.n_batch  # its rows decide proposals only: any pass
+        return draft
 
     def admits(self, level: Level, seeded: bool) -> bool:
         """Whether a request at level may decode in a lane: its level allows the difference a
@@ -81,12 +95,16 @@ class Sharing:
         return not seeded and self.diff <= level.bound
 
     def as_dict(self) -> dict:
-        return {"n_lanes": self.context.n_lanes, "apart_diff": self.diff, "n_passes": self.context.n_passes,
-                "n_shared_passes": self.context.n_shared_passes}
+        out = {"n_lanes": self.context.n_lanes, "apart_diff": self.diff, "n_passes": self.context.n_passes,
+               "n_shared_passes": self.context.n_shared_passes}
+        if self.draft_context is not None:
+            out.update(n_draft_passes=self.draft_context.n_passes,
+                       n_draft_shared_passes=self.draft_context.n_shared_passes)
+        return out
 
     def close(self) -> None:
         """The lane slots' draft contexts, then the shared context (before the models)."""
         self.slots.close_more()
-        if self.slots.first.draft is not None:
-            self.slots.first.draft.close()
-        self.context.close()
+        for context in (self.draft_context, self.context):
+            if context is not None:
+                context.close()

@@ -142,8 +142,9 @@ class Slots:
     budget: Budget
     note: str = ""
     more: list[Slot] = field(default_factory=list)
-    # a new slot's target: a context of its own (None), or lane i of the shared context
+    # a new slot's target and draft: contexts of their own (None), or lane i of shared contexts
     lane_of: Optional[Callable[[int], Model]] = None
+    draft_lane_of: Optional[Callable[[int], Drafter]] = None
 
     @property
     def all(self) -> list[Slot]:
@@ -175,7 +176,9 @@ class Slots:
         target: Any = make(len(self.all))
         draft: Any = None
         try:
-            if first.draft is not None:
+            if self.draft_lane_of is not None:
+                draft = self.draft_lane_of(len(self.all))
+            elif first.draft is not None:
                 draft = first.draft.sibling()  # type: ignore[attr-defined]
         except BaseException:
             if self.lane_of is None:

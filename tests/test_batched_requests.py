@@ -47,12 +47,13 @@ def _equal_or_near_tie(result, solo_tokens):
 
 
 def test_rows_of_four_requests_share_passes_and_each_matches_its_solo_run(lanes, plain, prompts):
-    """Four greedy requests at once (two identical): their rounds' rows ride in shared passes,
-    and each output is plain decoding's alone, or first differs at a near-tie it counted."""
+    """Four greedy requests at once (two identical): their rounds' rows ride in shared passes
+    (the target's verify rows, and the draft's steps), and each output is plain decoding's alone, or first differs at a near-tie it counted."""
     solo = [plain.generate(p, max_tokens=32).tokens for p in prompts]
-    before = lanes.sharing.context.n_shared_passes
+    before, drafts_before = lanes.sharing.context.n_shared_passes, lanes.sharing.draft_context.n_shared_passes
     results = at_once(lanes, prompts, max_tokens=32)
     assert lanes.sharing.context.n_shared_passes - before >= 8, lanes.sharing.as_dict()
+    assert lanes.sharing.draft_context.n_shared_passes > drafts_before, lanes.sharing.as_dict()  # draft steps too
     assert sorted(r.stats.slot for r in results) == [0, 1, 2, 3]
     same = [_equal_or_near_tie(r, s) for r, s in zip(results, solo)]
     assert sum(same) >= 2  # near-ties are rare: most requests are plain decoding's token for token

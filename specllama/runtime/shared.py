@@ -54,6 +54,18 @@ class _Job:
     n_lanes: int = 1  # lanes whose rows were in the pass
 
 
+class Parking:
+    """The shared contexts whose lanes' threads take one turn (a target's and its draft's): a
+    batch parked in either counts as parked for both, so neither waits on a thread parked in
+    the other."""
+
+    def __init__(self) -> None:
+        self.contexts: list[SharedContext] = []
+
+    def n_parked(self) -> int:
+        return sum(len(context._parked) for context in self.contexts)
+
+
 class SharedContext:
     """One context of the target's model for n_lanes lanes of n_branches sequences each, with
     n_ctx cells a lane (a unified KV buffer: a shared prefix is stored once per lane)."""
@@ -81,9 +93,16 @@ class SharedContext:
         self.lanes: list[Any] = []
         self._lane_of = lambda base: Lane(self, base, settings.n_ctx)
         self.n_active: Callable[[], int] = lambda: 1  # lanes generating now (set by their slots)
+        self.parking = Parking()
+        self.parking.contexts.append(self)
         self._t_pass = 0.0  # the last pass's seconds: how long a parked batch waits for others
         self.n_passes = 0  # llama_decode calls
         self.n_shared_passes = 0  # of them, passes with more than one lane's rows
+
+    def join(self, other: "SharedContext") -> None:
+        """Park with other's lanes (one turn for both contexts)."""
+        self.parking = other.parking
+        self.parking.contexts.append(self)
 
     def lane(self, index: int) -> Any:
         """The Runtime on lane index (made on first use; IndexError past n_lanes)."""
@@ -141,9 +160,10 @@ class SharedContext:
             if job.done:
                 return False
             n_waiting = 0 if self.turn is None else self.turn.n_waiting()
-            if n_waiting > len(self._parked) - 1:
+            n_parked = self.parking.n_parked()
+            if n_waiting > n_parked - 1:
                 return False
-            if self.turn is None or len(self._parked) >= self.n_active() or time.perf_counter() >= deadline:
+            if self.turn is None or n_parked >= self.n_active() or time.perf_counter() >= deadline:
                 return True
             return None
 
