@@ -48,7 +48,8 @@ def _equal_or_near_tie(result, solo_tokens):
 
 def test_rows_of_four_requests_share_passes_and_each_matches_its_solo_run(lanes, plain, prompts):
     """Four greedy requests at once (two identical): their rounds' rows ride in shared passes
-    (the target's verify rows, and the draft's steps), and each output is plain decoding's alone, or first differs at a near-tie it counted."""
+    (the target's verify rows, and the draft's steps), and each output is plain decoding's
+    alone, or first differs at a near-tie it counted."""
     solo = [plain.generate(p, max_tokens=32).tokens for p in prompts]
     before, drafts_before = lanes.sharing.context.n_shared_passes, lanes.sharing.draft_context.n_shared_passes
     results = at_once(lanes, prompts, max_tokens=32)
@@ -165,20 +166,14 @@ def test_served_with_batch_requests_a_leaving_client_leaves_the_other_unchanged(
     import openai
 
     from serving import serve
-    from test_concurrency import _stream_text
+    from test_concurrency import _stream_text, leave_beside
 
     with serve(model_paths["target"], tmp_path / "serve.log", "--draft", str(model_paths["draft"]),
                "--batch-requests", "--exact", str(BOUND), "--api-key", "k") as (base, _):
         client = openai.OpenAI(base_url=f"{base}/v1", api_key="k", max_retries=0, timeout=300)
         asks = ["Count from one to thirty in words.", "Write a haiku about autumn rain."]
         alone = _stream_text(client, asks[1], 48)
-        got: dict = {}
-        threads = [threading.Thread(target=lambda: got.update(left=_stream_text(client, asks[0], 400, stop_after=8))),
-                   threading.Thread(target=lambda: got.update(other=_stream_text(client, asks[1], 48)))]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(300)
+        got = leave_beside(client, asks, 8)
         health = httpx.get(f"{base}/health", timeout=10).json()
         assert health["batch_requests"]["n_shared_passes"] > 0, health
         if got["other"] != alone:  # only where a near-tie was counted (a lane's rows carry their difference)

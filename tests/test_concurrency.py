@@ -247,13 +247,21 @@ def test_a_client_leaving_mid_stream_leaves_the_others_unchanged(served):
     client = openai.OpenAI(base_url=f"{served[0]}/v1", api_key=SERVER_KEY, max_retries=0, timeout=300)
     asks = ["Count from one to thirty in words.", "Write a haiku about autumn rain."]
     alone = [_stream_text(client, ask, 48) for ask in asks]
+    got = leave_beside(client, asks, 5)
+    assert got["other"] == alone[1]
+    assert alone[0].startswith(got["left"])
+    assert _stream_text(client, asks[0], 48) == alone[0]  # and the server goes on as before
+
+
+def leave_beside(client, asks: list[str], stop_after: int) -> dict:
+    """Stream asks[0] and leave it after stop_after chunks, while asks[1] streams 48 tokens
+    beside it: {"left": the first one's text so far, "other": the second's}."""
     got: dict = {}
-    threads = [threading.Thread(target=lambda: got.update(left=_stream_text(client, asks[0], 400, stop_after=5))),
+    threads = [threading.Thread(target=lambda: got.update(left=_stream_text(client, asks[0], 400,
+                                                                            stop_after=stop_after))),
                threading.Thread(target=lambda: got.update(other=_stream_text(client, asks[1], 48)))]
     for t in threads:
         t.start()
     for t in threads:
         t.join(300)
-    assert got["other"] == alone[1]
-    assert alone[0].startswith(got["left"])
-    assert _stream_text(client, asks[0], 48) == alone[0]  # and the server goes on as before
+    return got
