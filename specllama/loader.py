@@ -118,7 +118,8 @@ def load(target: Any, draft: Any = None, *, n_draft: Union[int, str] = "auto",
                                draft_settings, gpu_offload=supports_gpu_offload(),
                                target_devices=target_host.devices if target_host else None,
                                draft_devices=draft_host.devices if draft_host else None,
-                               prompt_cache=check_cache_mb(prompt_cache_mb))
+                               prompt_cache=check_cache_mb(prompt_cache_mb),
+                               n_lanes=n_parallel if batch_requests else 0)
             check_plan(memory, target_settings.n_ctx)
         mtp = draft == MTP
         if mtp and (target_host is not None or not _is_ref(target)):

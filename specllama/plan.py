@@ -214,7 +214,7 @@ def make_plan(target: Path, draft: Optional[Path], target_settings: ModelSetting
               draft_settings: Optional[ModelSettings] = None, *, gpu_offload: bool = False,
               available: Optional[int] = None, available_gpu: Optional[int] = None,
               target_devices: Optional[list[Device]] = None,
-              draft_devices: Optional[list[Device]] = None, prompt_cache: int = 0) -> MemoryPlan:
+              draft_devices: Optional[list[Device]] = None, prompt_cache: int = 0, n_lanes: int = 0) -> MemoryPlan:
     """The memory plan for a target and optional draft, each with its own settings
     (the draft's default to the target's).
 
@@ -225,12 +225,17 @@ def make_plan(target: Path, draft: Optional[Path], target_settings: ModelSetting
         target_devices, draft_devices: for a model on RPC workers, the devices its host
             reports (remote.RemoteRuntime.devices); its offloaded part is checked against
             each device's free memory instead of this machine's.
+        n_lanes: with batch_requests, the lanes of the shared contexts beside the first ones
+            (sharing.py): KV caches for n_lanes x n_ctx more tokens, and their compute buffers.
     """
     ram, unified = available_memory()
     notes = []
     draft_settings = draft_settings or target_settings
     t = model_plan(target, target_settings, gpu_offload or target_devices is not None)
     d = model_plan(draft, draft_settings, gpu_offload or draft_devices is not None) if draft is not None else None
+    for m in (t, d) if n_lanes else ():
+        if m is not None:
+            m.kv, m.compute = m.kv * (1 + n_lanes), m.compute * 2
     shares = []
     for m, found, settings in ((t, target_devices, target_settings), (d, draft_devices, draft_settings)):
         if m is not None and found is not None:

@@ -151,3 +151,13 @@ def test_load_measures_the_memory_each_model_takes(model_paths):
     for planned, measured in ((estimate.target.total, stats.n_bytes_target),
                               (estimate.draft.total, stats.n_bytes_draft)):
         assert 0.5 < measured / planned < 2.0
+
+
+def test_batch_requests_plans_the_lanes_kv_caches(model_paths):
+    """With batch_requests the shared contexts hold n_parallel lanes of n_ctx tokens beside the
+    first contexts: the plan counts their KV caches for both models."""
+    alone = plan.make_plan(model_paths["target"], model_paths["draft"], settings(n_ctx=4096))
+    lanes = plan.make_plan(model_paths["target"], model_paths["draft"], settings(n_ctx=4096), n_lanes=4)
+    for a, b in zip(alone.models, lanes.models):
+        assert b.kv == 5 * a.kv and b.compute == 2 * a.compute
+    assert lanes.needed_ram > alone.needed_ram
