@@ -8,6 +8,9 @@ holds only its own tokens, so its output is the one it would have alone, at ever
 level. The rounds of all requests take turns on the models in arrival order (Turns): on a
 machine whose decode already uses every core, running two at once only stalls both.
 
+With batch_requests a second group of slots exists (Pool.lanes, sharing.py): lanes of shared
+contexts, whose rounds park their passes so that one pass decodes every lane's rows.
+
 The prompt cache's saved states belong to all slots of a model (any slot can restore a state
 another saved), and a request is handed the free slot whose live sequence shares the longest
 prefix with its prompt.
@@ -190,8 +193,9 @@ class Slots:
                     else PromptCache(draft, self.budget, owner=first.draft_cache), n_bytes=n_bytes,
                     lane=first.lane)
         self.more.append(slot)
-        log.info("%s: a request decodes in slot %d, beside %d others (%.0f MiB for its contexts)",
-                 first.target.name, slot.index, len(self.all) - 1, n_bytes / 2**20)
+        log.info("%s: a request decodes in %s %d, beside %d others (%s)", first.target.name,
+                 "lane" if slot.lane else "slot", slot.index, len(self.all) - 1,
+                 "its rows share passes" if slot.lane else f"{n_bytes / 2**20:.0f} MiB for its contexts")
         return slot
 
     def close_more(self) -> None:
