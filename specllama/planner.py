@@ -69,6 +69,9 @@ class Planner:
         self._costs: Optional[Costs] = None
         self.costs_record: Optional[dict] = None  # what the costs in use came from, with its evidence
         self._online_costs: Optional[OnlineCosts] = None
+        # a one-token decode timed in this process (at load, or by the curve's own probe): rounds
+        # need not time plain rounds before they trust v(1)
+        self._v1_live: Optional[float] = None
         # the draft's confidence calibration, learned across calls and kept on disk per pair;
         # greedy and sampled drafts mean different things by confidence (top probability; q of
         # a sampled token)
@@ -109,10 +112,12 @@ class Planner:
         """Why live decodes disagree with a cached curve, or None; a disagreement is timed again
         before it counts, so one disturbed moment at load does not discard a good curve."""
         v1_now, draft_now = quick_costs(self.target, self.draft)
+        self._v1_live = v1_now
         if records.stale(record, v1_now, draft_now) is None:
             return None
         v1_again, draft_again = quick_costs(self.target, self.draft)
-        return records.stale(record, min(v1_now, v1_again),
+        self._v1_live = min(v1_now, v1_again)
+        return records.stale(record, self._v1_live,
                              None if draft_now is None or draft_again is None else min(draft_now, draft_again))
 
     def costs(self, measure: bool = False) -> Optional[Costs]:
@@ -131,6 +136,7 @@ class Planner:
             if problem is None:
                 break
         self._costs, self._online_costs = costs, None
+        self._v1_live = costs.v(1) if problem is None else None
         if problem is not None:  # used for now, never cached, measured again when idle
             log.warning("%s: the machine looked busy while measuring decode costs (%s); using them for now, not "
                         "caching them, measuring again when idle", self.target.name, problem)
@@ -160,7 +166,7 @@ class Planner:
         self.costs_record = records.write(costs_key(self.target, self.draft),
                                           records.costs_value(corrected.verify, corrected.draft_token),
                                           "live rounds (the probed curve was off by more than 1.5x)")
-        self._costs, self._online_costs = corrected, OnlineCosts(corrected)
+        self._costs, self._online_costs = corrected, OnlineCosts(corrected, v1_live=corrected.v(1))
 
     # --- fidelity and reuse, measured on the live conversation when idle ------------------------
 
@@ -230,11 +236,12 @@ class Planner:
 
         self.idle.add(Task("draft catch-up", run, what="the draft catching up with the conversation"))
 
-    def measure_short(self, levels: tuple[Level, ...]) -> None:
+    def measure_short(self, levels: tuple[Level, ...], batching: bool = False) -> None:
         """At load: the short context's verify limit for each level, measured now if no cache
         holds it (5-8 s once per model file, settings and build). Every drafting round needs it,
-        fixed lengths too, and load is not a request's path; longer KV lengths wait for idle."""
-        if not self.speculates:
+        fixed lengths too, and so do requests whose rows share passes (batching); load is not a
+        request's path; longer KV lengths wait for idle."""
+        if not self.speculates and not batching:
             return
         for level in levels:
             if not level.limited:
@@ -299,7 +306,7 @@ class Planner:
             costs, acceptance = OnlineCosts(self._costs, frozen=True), Acceptance()
         else:
             if self._online_costs is None:
-                self._online_costs = OnlineCosts(self._costs)
+                self._online_costs = OnlineCosts(self._costs, v1_live=self._v1_live)
             costs, acceptance = self._online_costs, self._acceptance[req.sampling.greedy]
         lookup = self.lookup is True or (self.lookup is None and has_draft)
         limit = min(limit, MAX_DRAFT)
