@@ -79,10 +79,11 @@ def generate_steps(d: Decoding, prompt: Sequence[int]) -> Generator[Step, None, 
     verify batch."""
     target, stats, tokens = d.target, d.stats, list(prompt)
     t0 = time.perf_counter()
-    # 0. the first token comes from the prefill's last row; on a reused cache that row may be a
+    # 0. the first token comes from the prefill's last row; on a reused cache (or in a lane) it may be a
     # near-tie, judged once the first round knows the tolerance
     _, next_token, rows = _verify(d, EMPTY)
-    first_gap = top_gap(rows[0]) if d.sampling.greedy and d.limits.reuse is not None else None
+    first_gap = top_gap(rows[0]) if d.sampling.greedy and (d.limits.reuse is not None
+                                                           or d.limits.shared is not None) else None
     stats.t_prefill += time.perf_counter() - t0
     tokens.append(next_token)
     if d.proposer is not None:  # the draft model prefills when a round first drafts with it

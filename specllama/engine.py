@@ -86,10 +86,11 @@ class SpecLlama(LlamaApi, BatchApi):
         self.idle = IdleWork(self._models, lambda: self.pool.n_generating > 0 or self._closed, start=idle_work)
         self.planner = Planner(target, draft, lookup, self._stash, self.idle, self.draft_cache)
         self.batch_diffs, self.reuse_diffs = self.planner.batch_diffs, self.planner.reuse_diffs
-        if self.speculates:
+        if self.speculates or batch_requests:
             with self._models, PROCESS.busy():
-                self.planner.measure_short((self.level,))
-                self.planner.check_cached_costs()
+                self.planner.measure_short((self.level,), batching=batch_requests)
+                if self.speculates:
+                    self.planner.check_cached_costs()
         self.sharing: Optional[Sharing] = None  # requests' rows in shared passes (sharing.py)
         why = (slots.note or why_not_shared(target, draft, slots.n_max)) if batch_requests else ""
         if why:
