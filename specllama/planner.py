@@ -69,9 +69,6 @@ class Planner:
         self._costs: Optional[Costs] = None
         self.costs_record: Optional[dict] = None  # what the costs in use came from, with its evidence
         self._online_costs: Optional[OnlineCosts] = None
-        # a one-token decode timed in this process (at load, or by the curve's own probe): rounds
-        # need not time plain rounds before they trust v(1)
-        self._v1_live: Optional[float] = None
         # the draft's confidence calibration, learned across calls and kept on disk per pair;
         # greedy and sampled drafts mean different things by confidence (top probability; q of
         # a sampled token)
@@ -112,12 +109,10 @@ class Planner:
         """Why live decodes disagree with a cached curve, or None; a disagreement is timed again
         before it counts, so one disturbed moment at load does not discard a good curve."""
         v1_now, draft_now = quick_costs(self.target, self.draft)
-        self._v1_live = v1_now
         if records.stale(record, v1_now, draft_now) is None:
             return None
         v1_again, draft_again = quick_costs(self.target, self.draft)
-        self._v1_live = min(v1_now, v1_again)
-        return records.stale(record, self._v1_live,
+        return records.stale(record, min(v1_now, v1_again),
                              None if draft_now is None or draft_again is None else min(draft_now, draft_again))
 
     def costs(self, measure: bool = False) -> Optional[Costs]:
@@ -136,7 +131,6 @@ class Planner:
             if problem is None:
                 break
         self._costs, self._online_costs = costs, None
-        self._v1_live = costs.v(1) if problem is None else None
         if problem is not None:  # used for now, never cached, measured again when idle
             log.warning("%s: the machine looked busy while measuring decode costs (%s); using them for now, not "
                         "caching them, measuring again when idle", self.target.name, problem)
@@ -166,7 +160,7 @@ class Planner:
         self.costs_record = records.write(costs_key(self.target, self.draft),
                                           records.costs_value(corrected.verify, corrected.draft_token),
                                           "live rounds (the probed curve was off by more than 1.5x)")
-        self._costs, self._online_costs = corrected, OnlineCosts(corrected, v1_live=corrected.v(1))
+        self._costs, self._online_costs = corrected, OnlineCosts(corrected)
 
     # --- fidelity and reuse, measured on the live conversation when idle ------------------------
 
@@ -306,7 +300,7 @@ class Planner:
             costs, acceptance = OnlineCosts(self._costs, frozen=True), Acceptance()
         else:
             if self._online_costs is None:
-                self._online_costs = OnlineCosts(self._costs, v1_live=self._v1_live)
+                self._online_costs = OnlineCosts(self._costs)
             costs, acceptance = self._online_costs, self._acceptance[req.sampling.greedy]
         lookup = self.lookup is True or (self.lookup is None and has_draft)
         limit = min(limit, MAX_DRAFT)

@@ -518,17 +518,3 @@ def test_a_lane_drafts_exactly_where_drafting_raises_all_lanes_rate():
         assert own == together
         n_agree += own
     assert 0 < n_agree < 300  # both answers occur
-
-
-def test_a_v1_timed_at_load_spares_the_first_request_its_plain_rounds():
-    """OnlineCosts seeded with a one-token decode timed in this process trusts v(1) from the
-    first round (and scales the curve to it); without one, plain rounds time it first. Frozen
-    costs (seeded sampling) ignore it."""
-    fresh = OnlineCosts(THIS_CPU_F16)
-    assert fresh.wants(1)
-    live = OnlineCosts(THIS_CPU_F16, v1_live=0.3)
-    assert not live.wants(1)
-    assert live.v(1) == pytest.approx(0.3)
-    assert live.v(4) == pytest.approx(THIS_CPU_F16.v(4) * 0.3 / THIS_CPU_F16.v(1))
-    frozen = OnlineCosts(THIS_CPU_F16, frozen=True, v1_live=0.3)
-    assert frozen.v(1) == pytest.approx(THIS_CPU_F16.v(1))

@@ -27,7 +27,6 @@ class Costs:
 
 
 MIN_RATIO = 0.05  # the least measured/calibrated ratio a fit may give
-MIN_ONE = 3  # timings of one token v(1) needs before choices are weighed against it
 
 
 class OnlineCosts:
@@ -45,8 +44,7 @@ class OnlineCosts:
     give the same text, so no timing may steer the rounds).
     """
 
-    def __init__(self, seed: Costs, *, window: int = 9, frozen: bool = False, refresh: int = 64,
-                 v1_live: Optional[float] = None):
+    def __init__(self, seed: Costs, *, window: int = 9, frozen: bool = False, refresh: int = 64):
         self.seed, self.frozen, self.refresh = seed, frozen, refresh
         # the calibrated curve's shape, non-decreasing: a pass over more tokens never costs less
         self._shape = Costs(tuple(np.maximum.accumulate(seed.verify).tolist()), seed.draft_token)
@@ -55,11 +53,6 @@ class OnlineCosts:
         self._draft: deque = deque(maxlen=window)
         self._catch_up: deque = deque(maxlen=window)  # the draft's seconds per token in a batch
         self._last_one = 0  # n_observed when v(1) was last measured
-        if v1_live is not None and v1_live > 0 and not frozen:
-            # a one-token decode timed in this process (at load): trusted as plain rounds would
-            # be, so a fresh load's first request drafts from its first round (a CLI run is one)
-            for _ in range(MIN_ONE):
-                self._one.append([v1_live / self._shape.v(1), None])
         self._line: Optional[tuple[float, float, int, int]] = None  # cached fit
         self.n_observed = 0
 
@@ -84,7 +77,7 @@ class OnlineCosts:
         """Whether v(1) has too few recent measurements to trust (never when frozen)."""
         if self.frozen or n != 1:
             return False
-        return len(self._one) < MIN_ONE or self.n_observed - self._last_one > self.refresh
+        return len(self._one) < 3 or self.n_observed - self._last_one > self.refresh
 
     def observe_draft_step(self, seconds: float) -> None:
         if not self.frozen and seconds > 0:
@@ -116,7 +109,7 @@ class OnlineCosts:
         return self._line
 
     def _ratio(self, n: int) -> float:
-        if n == 1 and len(self._one) >= MIN_ONE:
+        if n == 1 and len(self._one) >= 3:
             if all(level for _, level in self._one):
                 return statistics.median(r / level for r, level in self._one) * self._level()
             return statistics.median(r for r, _ in self._one)
@@ -144,7 +137,7 @@ class OnlineCosts:
         """The curve the rounds measure, where it has stayed off the calibration by more than
         factor (either way) over a window of at least n_min rounds, with v(1) and batches both
         measured; None while it agrees (or too little was measured, or frozen)."""
-        if self.frozen or self.n_observed < n_min or len(self._one) < MIN_ONE or len(self._batches) < 9:
+        if self.frozen or self.n_observed < n_min or len(self._one) < 3 or len(self._batches) < 9:
             return None
         _, _, n_lo, n_hi = self._fit()
         sizes = [1, *range(n_lo, n_hi + 1)]
