@@ -14,7 +14,7 @@ import logging
 import math
 import time
 from collections.abc import Callable
-from typing import Optional, Union
+from typing import Any, Optional, Union
 
 import numpy as np
 
@@ -63,6 +63,10 @@ def costs_key(target: Model, draft: Optional[Drafter], max_verify: int = MAX_VER
     """The one key of a target and draft pair's costs: whoever measures them (load(), calibrate,
     doctor, bench) reads and writes the same entry."""
     return f"costs|{target.identity}|{draft.identity if draft is not None else '-'}|{max_verify}"
+
+
+def apart_key(target: Model, n_lanes: int) -> str:
+    return f"apart_diff|{target.identity}|{n_lanes}"
 
 
 def acceptance_key(target: Model, draft: Drafter, greedy: bool) -> str:
@@ -260,6 +264,53 @@ def measure_reuse_diffs(target: Model, n_past: int, stop: Stop = never) -> float
         records.write(reuse_key(target, kv_group(kv_length(n_past + 1, target.n_ctx))),
                       {"diff": diff, "seconds": seconds}, "probe")
     return diff
+
+
+# --- requests in one pass (sharing.py) -------------------------------------------------------
+
+def probe_apart_diff(solo: Model, shared: Any, n_prompt: int = 160, n_steps: int = 8) -> float:
+    """The largest |logit difference| between a lane's one-token rows, decoded while another lane
+    grows and rolls back beside it, and the same rows in a context of its own (solo, left empty).
+    Teacher-forced on the solo rows' greedy choices; the lanes used are freed again."""
+    rng = np.random.default_rng(0)
+    hi = min(solo.n_vocab, 20000)
+    prompt = [int(t) for t in rng.integers(100, hi, size=n_prompt)]
+    filler = [int(t) for t in rng.integers(100, hi, size=n_prompt // 2)]
+    lane, other = shared.lane(0), shared.lane(1)
+    try:
+        other.decode(filler)
+        lane.decode(prompt)
+        solo.discard(0)
+        solo.decode(prompt)
+        worst = _max_abs_diff(lane.logits(0), solo.logits(0))
+        token = int(np.argmax(solo.logits(0)))
+        for _ in range(n_steps):
+            n_other = len(other.cached)
+            other.decode(filler[:4], n_logits=4)  # another lane's verify, half of it rejected
+            other.truncate(n_other + 2)
+            solo.decode([token])
+            lane.decode([token])
+            worst = max(worst, _max_abs_diff(lane.logits(0), solo.logits(0)))
+            token = int(np.argmax(solo.logits(0)))
+        return worst
+    finally:
+        solo.discard(0)
+        for runtime in (lane, other):
+            runtime.discard(0)
+
+
+def measure_apart_diff(solo: Model, shared: Any) -> float:
+    """probe_apart_diff, stored under apart_key once per model file, settings, build and number
+    of lanes (read back when cached)."""
+    record = records.read(apart_key(solo, shared.n_lanes))
+    if record is None:
+        t0 = time.perf_counter()
+        diff = probe_apart_diff(solo, shared)
+        record = records.write(apart_key(solo, shared.n_lanes), {"diff": diff, "seconds": time.perf_counter() - t0},
+                               "probe at load")
+        log.info("%s: a lane's rows differ from a context of its own by %.3g logits (measured in %.1f s)",
+                 solo.name, diff, record["seconds"])
+    return float(record["diff"])
 
 
 # --- costs ---------------------------------------------------------------------------------------

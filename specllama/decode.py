@@ -96,9 +96,10 @@ def generate_steps(d: Decoding, prompt: Sequence[int]) -> Generator[Step, None, 
             # 1. the largest verify batch the fidelity level allows here (plain decoding where it
             # has not been measured yet: the probe is queued for when the process is idle)
             d.limits.reach(n_past)
-            n_verify_max = d.limits.max_batch(n_past) if d.proposer is not None else 1
+            limit = d.limits.max_batch(n_past) if d.proposer is not None or d.limits.shared is not None else 1
+            n_verify_max = limit if d.proposer is not None else 1
             if d.limits.shared is not None:  # a lane: the largest pass its rows may ride in
-                target.batch_cap = d.limits.max_batch(n_past)
+                target.batch_cap = limit
             t1 = time.perf_counter()
             # 2. propose: tokens the grammar forces first (free), then the policy's source
             r = _propose(d, tokens, n_verify_max)

@@ -15,17 +15,13 @@ and a lane's near-ties are judged with it on every row, plain rounds included.
 
 from __future__ import annotations
 
-import logging
-import time
 from typing import Any, Optional
 
-from . import records
+from .calibrate import measure_apart_diff
 from .fidelity import Level
 from .prompt_cache import Budget, PromptCache
 from .runtime.protocols import Drafter, Model
 from .slots import Pool, Slot, Slots
-
-log = logging.getLogger("specllama")
 
 
 def why_not_shared(target: Model, draft: Optional[Drafter], n_parallel: int) -> str:
@@ -42,27 +38,15 @@ def why_not_shared(target: Model, draft: Optional[Drafter], n_parallel: int) -> 
     return ""
 
 
-def apart_key(target: Model, n_lanes: int) -> str:
-    return f"apart_diff|{target.identity}|{n_lanes}"
-
-
 class Sharing:
     """The shared context, its lane slots, and the difference a lane's rows carry (diff)."""
 
     def __init__(self, first: Slot, n_lanes: int, budget: Budget, pool: Pool):
-        from .runtime.shared import SharedContext, measure_apart_diff
+        from .runtime.shared import SharedContext
 
         self.context = SharedContext(first.target, n_lanes)
         try:
-            record = records.read(apart_key(first.target, n_lanes))
-            if record is None:
-                t0 = time.perf_counter()
-                diff = measure_apart_diff(first.target, self.context)
-                record = records.write(apart_key(first.target, n_lanes),
-                                       {"diff": diff, "seconds": time.perf_counter() - t0}, "probe at load")
-                log.info("%s: a lane's rows differ from a context of its own by %.3g logits (measured in %.1f s)",
-                         first.target.name, diff, record["seconds"])
-            self.diff = float(record["diff"])
+            self.diff = measure_apart_diff(first.target, self.context)
             # the draft's steps of all lanes in one pass too (what it proposes, never what is
             # accepted, depends on its rows)
             self.draft_context = SharedContext(first.draft, n_lanes) if first.draft is not None else None

@@ -6,14 +6,14 @@ its target pass parks its batch and gives the turn to whoever waits for it; the 
 parks while everyone waiting for the turn has parked too, and every generating lane has parked
 or had a short grace to, decodes every parked batch (a pass per group: at most n_batch rows,
 and no more rows than any member's cap, the largest pass its fidelity level allows at its KV
-length). A pass that cannot place its rows
-(llama_decode 1) is decoded again lane by lane, so only the lane that does not fit fails.
+length). A pass that cannot place its rows (llama_decode 1) is decoded again lane by lane,
+so only the lane that does not fit fails.
 
 Each lane's rows are copied out of the pass: they stay valid while other lanes decode.
 
 A lane's rows are not bitwise those of a context of its own: other lanes' cells sit between
 its cells in the unified KV buffer, which changes how llama.cpp's attention sums (measured by
-measure_apart_diff). Requests that need bitwise rows decode in contexts of their own.
+calibrate.measure_apart_diff). Requests that need bitwise rows decode in contexts of their own.
 """
 
 from __future__ import annotations
@@ -253,34 +253,3 @@ def _groups(jobs: list[_Job], n_batch: int) -> list[list[_Job]]:
             groups.append([job])
             n, cap = size, job.cap
     return groups
-
-
-def measure_apart_diff(solo: Any, shared: SharedContext, n_prompt: int = 160, n_steps: int = 8) -> float:
-    """The largest |logit difference| between a lane's one-token rows, decoded while another lane
-    grows and rolls back beside it, and the same rows in a context of its own (solo, left empty).
-    Teacher-forced on the solo rows' greedy choices; the lanes used are freed again."""
-    rng = np.random.default_rng(0)
-    hi = min(solo.n_vocab, 20000)
-    prompt = [int(t) for t in rng.integers(100, hi, size=n_prompt)]
-    filler = [int(t) for t in rng.integers(100, hi, size=n_prompt // 2)]
-    lane, other = shared.lane(0), shared.lane(1)
-    try:
-        other.decode(filler)
-        lane.decode(prompt)
-        solo.discard(0)
-        solo.decode(prompt)
-        worst = float(np.abs(lane.logits(0) - solo.logits(0)).max())
-        token = int(np.argmax(solo.logits(0)))
-        for _ in range(n_steps):
-            n_other = len(other.cached)
-            other.decode(filler[:4], n_logits=4)  # another lane's verify, half of it rejected
-            other.truncate(n_other + 2)
-            solo.decode([token])
-            lane.decode([token])
-            worst = max(worst, float(np.abs(lane.logits(0) - solo.logits(0)).max()))
-            token = int(np.argmax(solo.logits(0)))
-        return worst
-    finally:
-        solo.discard(0)
-        for runtime in (lane, other):
-            runtime.discard(0)
