@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import sys
+from typing import NoReturn
+
 
 class SpecLlamaError(Exception):
     """Base class of every error specllama raises on purpose."""
@@ -67,3 +70,16 @@ class RpcError(SpecLlamaError):
 
 class ConstraintError(SpecLlamaError):
     """A grammar reached a state it cannot leave (a token it forbids was forced on it)."""
+
+
+def exit_interrupted() -> NoReturn:
+    """Ends the CLI after a Ctrl-C with status 130 and one line, however deep the interrupt landed.
+
+    Under `python -m`, CPython remembers a KeyboardInterrupt that left any code run from a source
+    string (dataclasses and namedtuple build their methods that way while modules import) and, at
+    exit, kills the process with SIGINT even though the interrupt was caught. Running a string that
+    finishes clears that memory, so the status stays the 130 a shell expects."""
+    sys.stderr.write("\ninterrupted\n")
+    sys.stderr.flush()
+    exec("None")  # noqa: S102 (a constant: resets CPython's unhandled-interrupt flag, see above)
+    raise SystemExit(130)

@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pexpect
 import pyte
@@ -211,3 +213,22 @@ def test_compare_runs_both_twice_alternated_and_says_when_it_is_noise(model_path
                             "--raw", "-n", "16", "--compare"], capture_output=True, text=True, timeout=300)
     line = next(x for x in shown.stderr.splitlines() if x.startswith("speedup:"))
     assert "two runs each, alternated" in line
+
+
+def test_an_interrupt_inside_code_built_from_a_string_still_exits_130(tmp_path):
+    # dataclasses and namedtuple run source strings while modules import; a Ctrl-C landing there
+    # made `python -m specllama` die of SIGINT (-2) though the CLI caught it and printed "interrupted"
+    (tmp_path / "spin.py").write_text("from specllama.errors import exit_interrupted\n"
+                                      "try:\n    print('ready', flush=True)\n    exec('while True: pass')\n"
+                                      "except KeyboardInterrupt:\n    exit_interrupted()\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), str(Path(__file__).parents[1])])}
+    proc = subprocess.Popen([sys.executable, "-m", "spin"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env=env)
+    try:
+        assert proc.stdout.readline() == "ready\n"
+        time.sleep(0.2)
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == 130 and err == "\ninterrupted\n", (proc.returncode, err)

@@ -8,7 +8,7 @@ from typing import Any
 import click
 
 from .. import __version__
-from ..errors import SpecLlamaError
+from ..errors import SpecLlamaError, exit_interrupted
 
 
 class _Group(click.Group):
@@ -22,8 +22,7 @@ class _Group(click.Group):
                 raise
             raise click.ClickException(f"{type(e).__name__}: {e}") from None
         except KeyboardInterrupt:
-            click.echo("\ninterrupted", err=True)
-            ctx.exit(130)
+            exit_interrupted()
 
 
 @click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"]})
