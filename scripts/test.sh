@@ -7,4 +7,4 @@ bash scripts/setup.sh
 .venv/bin/python scripts/fetch_models.py target draft gemma smollm2 >/dev/null
 .venv/bin/ruff check specllama tests benchmarks scripts
 .venv/bin/mypy
-exec .venv/bin/python -m pytest -q "$@"
+exec .venv/bin/python -m pytest -q --durations=25 "$@"
