@@ -15,13 +15,30 @@ where the controller chose other draft lengths; at bitwise none may). Batched co
 batch only where the level allows the lane difference measured at load (on this CPU: F16 at
 rounding; Q4_K_M needs SPECLLAMA_BENCH_EXACT=1.0, otherwise it runs as turns).
 
-Not here: llama-server (the vendored llama.cpp's tools/server is not built by setup.sh).
+test_title_beside_a_stream: the chat-UI scenario (Open WebUI sends a title request beside the first
+answer of a new chat): a 192-token answer streams, a 16-token title request follows 0.5 s later;
+its latency beside the stream against its latency alone, per configuration (goal: within 2x).
+
+test_llama_server_at_once: the same requests (as chat messages) against llama-server built from
+the vendored llama.cpp (scripts/build_llama_server.sh, or SPECLLAMA_LLAMA_SERVER=path) with
+-np N, with and without -md (the same draft): (c) of issue 32. Skipped when it is not built.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
+import socket
 import statistics
+import subprocess
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Optional
+
+import httpx
+import openai
 
 import pytest
 
@@ -85,3 +102,136 @@ def test_requests_at_once(bench_models, target):
               f"{r['total_max']:8.2f}s {r['n_differ']:6}")
     if os.environ.get("SPECLLAMA_BENCH_EXACT") == "bitwise":
         assert all(r["n_differ"] == 0 for r in rows if "batched" not in r["config"])
+
+
+TITLE_ASK = "Give a five-word title for this chat: writing a Python CSV parser that handles quoted fields"
+ANSWER_ASK = "Write a Python function that parses a CSV line with quoted fields, with a docstring and tests."
+
+
+def _title_latency(llm, title, answer, beside: bool) -> float:
+    """Seconds from sending the title request to its last token, alone or 0.5 s into the answer."""
+    started = threading.Event()
+
+    def stream_answer():
+        for _ in llm.stream(answer, max_tokens=192):
+            started.set()
+
+    thread = threading.Thread(target=stream_answer, daemon=True) if beside else None
+    if thread is not None:
+        thread.start()
+        assert started.wait(300)
+        time.sleep(0.5)
+    t0 = time.perf_counter()
+    llm.generate(title, max_tokens=16)
+    seconds = time.perf_counter() - t0
+    if thread is not None:
+        thread.join(600)
+    return seconds
+
+
+@pytest.mark.parametrize("target", _targets())
+def test_title_beside_a_stream(bench_models, target):
+    path, draft = bench_models[TARGETS[target]], bench_models["draft"]
+    settings = dict(n_ctx=2048, n_threads=N_THREADS)
+    with specllama.load(path, draft, n_parallel=1, **settings) as single, \
+            specllama.load(path, draft, n_parallel=2, **settings) as turns, \
+            specllama.load(path, draft, n_parallel=2, batch_requests=True, **settings) as batched:
+        configs = [("one at a time", single), ("spec, turns", turns), ("spec, batched", batched)]
+        title = single.chat_tokens([{"role": "user", "content": TITLE_ASK}])
+        answer = single.chat_tokens([{"role": "user", "content": ANSWER_ASK}])
+        for _, llm in configs:
+            llm.warm_up()
+            llm.generate(title, max_tokens=2)  # the first request's one-time work, before the clock
+        seconds: dict[str, dict[str, list[float]]] = {name: {"alone": [], "beside": []} for name, _ in configs}
+        for repeat in range(REPEATS):
+            for name, llm in (configs if repeat % 2 == 0 else configs[::-1]):
+                for beside in (False, True):
+                    seconds[name]["beside" if beside else "alone"].append(_title_latency(llm, title, answer, beside))
+    print(f"\n{'target':6} {'config':14} {'title alone':>11} {'beside':>8} {'ratio':>6}")
+    for name, s in seconds.items():
+        alone, beside = statistics.median(s["alone"]), statistics.median(s["beside"])
+        print(f"{target:6} {name:14} {alone:10.2f}s {beside:7.2f}s {beside / alone:5.1f}x")
+
+
+def _llama_server() -> Optional[str]:
+    path = os.environ.get("SPECLLAMA_LLAMA_SERVER")
+    if path:
+        return path
+    script = Path(__file__).resolve().parent.parent / "scripts" / "build_llama_server.sh"
+    home = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "specllama"
+    built = sorted(home.glob("llama-server-*/bin/llama-server"))
+    return str(built[-1]) if built and script.exists() else None
+
+
+@contextlib.contextmanager
+def _server(binary: str, path: Path, draft: Optional[Path], n: int) -> Iterator[str]:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    cmd = [binary, "-m", str(path), "-np", str(n), "-c", str(2048 * n), "-t", str(N_THREADS), "-tb", str(N_THREADS),
+           "--host", "127.0.0.1", "--port", str(port), *(["-md", str(draft)] if draft else [])]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline and proc.poll() is None:
+            try:
+                if httpx.get(f"{base}/health", timeout=5).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            time.sleep(0.2)
+        assert proc.poll() is None, proc.stderr.read()[-3000:] if proc.stderr else ""
+        yield base
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+def _time_server(base: str, asks: list[str]) -> dict:
+    """Every ask streamed at once through the openai client: aggregate, first tokens, totals."""
+    client = openai.OpenAI(base_url=f"{base}/v1", api_key="none", timeout=600)
+    firsts: list[float] = [0.0] * len(asks)
+    totals: list[float] = [0.0] * len(asks)
+    counts: list[int] = [0] * len(asks)
+    t0 = time.perf_counter()
+
+    def one(i: int) -> None:
+        stream = client.chat.completions.create(
+            model="x", messages=[{"role": "user", "content": asks[i]}], max_tokens=N_TOKENS, temperature=0,
+            stream=True, stream_options={"include_usage": True})
+        for chunk in stream:
+            if chunk.choices and chunk.choices[0].delta.content and not firsts[i]:
+                firsts[i] = time.perf_counter() - t0
+            if chunk.usage is not None:
+                counts[i] = chunk.usage.completion_tokens
+        totals[i] = time.perf_counter() - t0
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(asks))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    wall = time.perf_counter() - t0
+    return {"aggregate": sum(counts) / wall, "ttft": firsts, "total": totals}
+
+
+def test_llama_server_at_once(bench_models):
+    binary = _llama_server()
+    if binary is None:
+        pytest.skip("llama-server is not built: bash scripts/build_llama_server.sh")
+    target = _targets()[-1]
+    path, draft = bench_models[TARGETS[target]], bench_models["draft"]
+    print(f"\n{'target':6} {'n':>2} {'config':18} {'tok/s':>7} {'longest ttft':>12} {'last done':>9}")
+    for n in COUNTS:
+        asks = [ASKS[i % len(ASKS)] for i in range(n)]
+        for name, with_draft in (("llama-server", None), ("llama-server -md", draft)):
+            with _server(binary, path, with_draft, n) as base:
+                _time_server(base, asks[:1])  # warm-up: the first request's one-time work
+                runs = [_time_server(base, asks) for _ in range(REPEATS)]
+            print(f"{target:6} {n:2} {name:18} {statistics.median(r['aggregate'] for r in runs):7.1f} "
+                  f"{statistics.median(max(r['ttft']) for r in runs):11.2f}s "
+                  f"{statistics.median(max(r['total']) for r in runs):8.2f}s")
