@@ -2,7 +2,7 @@
 # Build llama-server from the llama.cpp that llama-cpp-python vendors (the same version specllama
 # runs on), for benchmarks that compare against it. Not part of setup or the test suite.
 #
-#   bash scripts/build_llama_server.sh   # prints the binary's path; ~15 minutes on 2 cores, once
+#   bash scripts/build_llama_server.sh   # prints the binary's path; ~7 minutes on 2 cores, once
 #
 # CPU build with the same x86-64 flags as setup.sh; no web UI (nothing fetched at build time).
 set -euo pipefail
@@ -25,7 +25,7 @@ if [ ! -d "$home/src" ]; then
 fi
 flags=""
 case "$(uname -m)" in x86_64|amd64) flags="-mno-amx-tile -mno-amx-int8 -mno-amx-bf16" ;; esac
-echo "build_llama_server: compiling llama-server (about 15 minutes on 2 cores)" >&2
+echo "build_llama_server: compiling llama-server (about 7 minutes on 2 cores)" >&2
 CFLAGS="$flags" CXXFLAGS="$flags" cmake -S "$home/src/vendor/llama.cpp" -B "$home/build" -DCMAKE_BUILD_TYPE=Release \
   -DLLAMA_BUILD_SERVER=ON -DLLAMA_BUILD_TOOLS=ON -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF \
   -DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_BUILD_UI=OFF -DLLAMA_OPENSSL=OFF -DBUILD_SHARED_LIBS=OFF >/dev/null

@@ -127,6 +127,7 @@ def test_offline_and_not_cached(hub_env):
         resolve(DRAFT_REPO, hub, registry.load())
 
 
+@pytest.mark.slow  # the CLI's auto draft: test_subprocess_run_with_local_target_auto_draft; the hub: above
 def test_cli_run_with_auto_draft_from_the_hub(server, hub_env, pair):
     runner = CliRunner()
     result = runner.invoke(main, ["run", TARGET_REPO, "def add(a, b):", "--raw", "--max-tokens", "16", "--n-draft", "2",

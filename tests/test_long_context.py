@@ -46,7 +46,7 @@ def test_the_long_prompts_reach_past_kv_length_600(plain, long_baseline):
         assert len(long_baseline[name].tokens) == N_TOKENS, name
 
 
-@pytest.mark.parametrize("n_draft", [2, 3, 6, "auto"])
+@pytest.mark.parametrize("n_draft", [2, pytest.param(3, marks=pytest.mark.slow), 6, "auto"])  # 3: between 2 and 6
 def test_bitwise_is_token_identical_at_long_contexts(pair, long_baseline, plain_rows, monkeypatch, n_draft):
     spec_rows = {}
     record_rows(monkeypatch, pair.target, spec_rows)
@@ -67,8 +67,8 @@ def test_bitwise_is_token_identical_at_long_contexts(pair, long_baseline, plain_
     assert {"KV <= 512", "KV 768-1024"} <= set(got.stats.verify_limits), got.stats.verify_limits
 
 
-@pytest.mark.parametrize("exact", ["rounding", 1.0])
-@pytest.mark.parametrize("name", ["story", "code"])
+@pytest.mark.parametrize("name, exact", [("story", "rounding"), ("code", "rounding"), ("code", 1.0),
+                                         pytest.param("story", 1.0, marks=pytest.mark.slow)])  # the suite's time
 def test_rounding_differs_from_plain_only_at_a_counted_near_tie(pair, long_baseline, name, exact):
     prompt = tokens_of(pair, LONG[name])
     got = pair.generate(prompt, max_tokens=N_TOKENS, n_draft=6, exact=exact)

@@ -171,8 +171,9 @@ ALIASES = [  # llama.cpp's spelling, then specllama's long form: the same settin
       "--repeat-penalty", "1.1"],
      ["--ctx-size", "1024", "--threads", "1", "--gpu-layers", "0", "--flash-attn", "off", "--cache-type-k", "q8_0",
       "--cache-type-v", "f16", "--max-tokens", "3", "--seed", "7", "--repeat-penalty", "1.1"]),
-    (["--n-predict", "2", "-ngld", "0", "--n-gpu-layers", "0"], ["--max-tokens", "2", "--draft-gpu-layers", "0",
-                                                                  "--gpu-layers", "0"]),
+    pytest.param(["--n-predict", "2", "-ngld", "0", "--n-gpu-layers", "0"],
+                 ["--max-tokens", "2", "--draft-gpu-layers", "0", "--gpu-layers", "0"],
+                 marks=pytest.mark.slow),  # the rarer spellings: with SPECLLAMA_SLOW=1 (the suite's time)
 ]
 
 
