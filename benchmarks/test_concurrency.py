@@ -31,6 +31,7 @@ import os
 import socket
 import statistics
 import subprocess
+import tempfile
 import threading
 import time
 from collections.abc import Iterator
@@ -170,7 +171,8 @@ def _server(binary: str, path: Path, draft: Optional[Path], n: int) -> Iterator[
         port = sock.getsockname()[1]
     cmd = [binary, "-m", str(path), "-np", str(n), "-c", str(2048 * n), "-t", str(N_THREADS), "-tb", str(N_THREADS),
            "--host", "127.0.0.1", "--port", str(port), *(["-md", str(draft)] if draft else [])]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    log = tempfile.TemporaryFile("w+")  # a file, not a pipe: a full pipe would stall the server's logging
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=log, text=True)
     base = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 300
@@ -181,14 +183,14 @@ def _server(binary: str, path: Path, draft: Optional[Path], n: int) -> Iterator[
             except httpx.TransportError:
                 pass
             time.sleep(0.2)
-        assert proc.poll() is None, proc.stderr.read()[-3000:] if proc.stderr else ""
+        if proc.poll() is not None:
+            log.seek(0)
+            raise AssertionError(log.read()[-3000:])
         yield base
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        proc.kill()  # a benchmark's server keeps nothing worth a graceful stop
+        proc.wait()
+        log.close()
 
 
 def _time_server(base: str, asks: list[str]) -> dict:
