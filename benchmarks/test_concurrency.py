@@ -158,10 +158,9 @@ def _llama_server() -> Optional[str]:
     path = os.environ.get("SPECLLAMA_LLAMA_SERVER")
     if path:
         return path
-    script = Path(__file__).resolve().parent.parent / "scripts" / "build_llama_server.sh"
     home = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "specllama"
-    built = sorted(home.glob("llama-server-*/bin/llama-server"))
-    return str(built[-1]) if built and script.exists() else None
+    built = sorted(home.glob("llama-server-*/bin/llama-server"))  # where scripts/build_llama_server.sh puts it
+    return str(built[-1]) if built else None
 
 
 @contextlib.contextmanager
