@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import sys
 import tempfile
 from pathlib import Path
@@ -16,6 +17,12 @@ ROOT = Path(__file__).resolve().parent.parent
 
 sys.path.insert(0, str(ROOT / "scripts"))
 import fetch_models  # noqa: E402  (a script, so not importable as a package)
+
+# A runner started in the background (`bash .ci/run &`, nohup) hands its children SIGINT
+# ignored, and a process keeps an ignored signal across exec: the Ctrl-C tests' children would
+# never see their interrupt. A handler here is reset to the default in every child instead.
+if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 # Calibration caches and user files go to a fresh directory, never the user's own.
 os.environ["SPECLLAMA_HOME"] = tempfile.mkdtemp(prefix="specllama-test-home-")
