@@ -7,7 +7,9 @@ generation runs (the server between requests, `specllama chat` while the person 
 script between calls), a short grace after the last generation so back-to-back requests do
 not collide with it. Work checks `stop()` between llama.cpp calls: a generation that wants the
 models makes the work in progress end early (restoring what it changed) and retry later, so a
-request waits one decode at most. warm_up() runs the whole queue in the caller's thread.
+request waits one decode at most. A measurement the machine disturbed (it returns False) is
+retried later, waiting longer each time (10 s, 20 s, ... up to 5 minutes), so probes never keep a
+busy machine busier. warm_up() runs the whole queue in the caller's thread, at once.
 """
 
 from __future__ import annotations
@@ -23,6 +25,9 @@ from typing import Any, Optional
 log = logging.getLogger("specllama")
 
 GRACE_SECONDS = 0.5  # idle this long after a generation before work starts
+BUSY_RETRY_SECONDS = 10.0  # a disturbed measurement waits this long, doubling each time,
+BUSY_RETRY_MAX_SECONDS = 300.0  # up to this
+NOT_READY_POLL_SECONDS = 1.0  # a task waiting for a longer context looks again (a generation notifies sooner)
 
 
 class _Process:
@@ -91,6 +96,8 @@ class Task:
     # how deep into the live conversation it measures (a KV group): a probe leaves the cache cut
     # at its own depth, so deeper ones run first, while the conversation still reaches them
     depth: int = 0
+    n_disturbed: int = 0  # runs the machine disturbed (run returned False)
+    not_before: float = 0.0  # monotonic time before which the idle thread leaves it (warm_up does not)
 
 
 class IdleWork:
@@ -142,12 +149,13 @@ class IdleWork:
             ran.append(task.key)
         return ran
 
-    def _first_ready(self, skip: Optional[set[str]] = None) -> Optional[Task]:
+    def _first_ready(self, skip: Optional[set[str]] = None, now: Optional[float] = None) -> Optional[Task]:
         """The task to run next: one that can run now, those measuring on the live conversation
-        (deepest first) before those that take the context from it."""
+        (deepest first) before those that take the context from it; now: leave those whose
+        retry after a disturbed run is not due (warm_up() runs them anyway)."""
         skip = skip or set()
-        tasks = sorted((t for t in list(self._tasks.values()) if t.key not in skip and t.n_tries < self.MAX_TRIES),
-                       key=lambda t: (t.takes_context, -t.depth))
+        tasks = sorted((t for t in list(self._tasks.values()) if t.key not in skip and t.n_tries < self.MAX_TRIES
+                        and (now is None or t.not_before <= now)), key=lambda t: (t.takes_context, -t.depth))
         return next((t for t in tasks if t.ready()), None)
 
     def close(self) -> None:
@@ -162,13 +170,21 @@ class IdleWork:
             while True:
                 if self._closed:
                     return None
-                quiet = time.monotonic() - self._last_busy
-                task = self._first_ready() if quiet >= GRACE_SECONDS and not self._wanted() else None
+                now = time.monotonic()
+                quiet = now - self._last_busy
+                task = self._first_ready(now=now) if quiet >= GRACE_SECONDS and not self._wanted() else None
                 if task is not None:
                     return task
-                # nothing can run yet: look again after the grace (a probe waits for a context
-                # long enough; a new generation or task notifies)
-                self._cv.wait(timeout=max(0.05, GRACE_SECONDS - quiet) if self._tasks else None)
+                # nothing can run yet: look again after the grace, when a retry is due, or a
+                # while later (a probe waits for a context long enough; a new generation or
+                # task notifies)
+                self._cv.wait(timeout=self._wait_seconds(now, quiet) if self._tasks else None)
+
+    def _wait_seconds(self, now: float, quiet: float) -> float:
+        if quiet < GRACE_SECONDS:
+            return max(0.05, GRACE_SECONDS - quiet)
+        due = [t.not_before - now for t in self._tasks.values() if t.not_before > now]
+        return max(0.05, min([NOT_READY_POLL_SECONDS, *due]))
 
     def _loop(self) -> None:
         while (task := self._next()) is not None:
@@ -195,6 +211,9 @@ class IdleWork:
         t0 = time.perf_counter()
         try:
             if task.run(stop) is False:
+                task.n_disturbed += 1
+                task.not_before = time.monotonic() + min(BUSY_RETRY_MAX_SECONDS,
+                                                         BUSY_RETRY_SECONDS * 2 ** (task.n_disturbed - 1))
                 self.busy()
                 return False
         except Preempted:

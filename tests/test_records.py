@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 
 from specllama import records
 
@@ -80,3 +81,28 @@ def test_idle_probes_on_the_conversation_run_deepest_first():
     idle.add(probe(2, 780))
     assert idle.warm_up() == ["probe|2", "probe|1", "costs"]
     assert ran == [2, 1]
+
+
+def test_a_disturbed_measurement_waits_before_the_idle_thread_retries_it():
+    """A measurement the machine disturbed is retried later, not at the next idle moment: on a
+    busy machine a probe rerun every half second keeps it busier (and is disturbed again)."""
+    from specllama.idle import GRACE_SECONDS, IdleWork, Task
+
+    runs: list[float] = []
+
+    def measure(stop):
+        runs.append(time.monotonic())
+        return len(runs) > 1  # the first run looked busy
+
+    idle = IdleWork(threading.Lock(), lambda: False)
+    try:
+        idle.add(Task("costs", measure, what="the decode-cost curve"))
+        deadline = time.monotonic() + 60  # other objects' idle work in this process may run first
+        while not runs and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert len(runs) == 1
+        time.sleep(4 * GRACE_SECONDS)
+        assert len(runs) == 1 and idle.pending() == ["the decode-cost curve"]
+        assert idle.warm_up() == ["costs"] and len(runs) == 2 and idle.pending() == []  # asked for: now
+    finally:
+        idle.close()
