@@ -136,6 +136,25 @@ def test_residual_is_normalized_positive_part():
     assert residual(p, p) is p
 
 
+def test_residual_of_sparse_supports_in_any_order_over_a_whole_vocabulary():
+    """Supports as samplers give them (most likely first, partly overlapping, a whole
+    vocabulary's ids): the positive part of p - q over their union, ids ascending."""
+    rng = np.random.default_rng(7)
+    n_vocab = 151_936
+    dense = []
+    for n in (n_vocab, 3_000):
+        ids = rng.permutation(n_vocab)[:n]
+        probs = rng.random(n)
+        dense.append(np.bincount(ids, probs / probs.sum(), minlength=n_vocab))
+    p, q = (Dist.from_dense(d) for d in dense)
+    p, q = (Dist(d.ids[np.argsort(-d.probs)], np.sort(d.probs)[::-1]) for d in (p, q))  # most likely first
+    expected = np.maximum(dense[0] - dense[1], 0.0)
+    r = residual(p, q)
+    assert r.ids.tolist() == np.flatnonzero(expected > 0).tolist()
+    np.testing.assert_allclose(r.probs, expected[r.ids] / expected.sum(), rtol=1e-12)
+    assert abs(r.probs.sum() - 1.0) < 1e-12
+
+
 def test_greedy_verify():
     assert greedy_verify([5, 6, 7], [5, 6, 7, 8]) == (3, 8)
     assert greedy_verify([5, 6, 7], [5, 9, 7, 8]) == (1, 9)
