@@ -73,7 +73,7 @@ def test_calibrate_writes_what_run_then_uses(model_paths, home, quiet_process):
     # of the curve may time a busy moment on a 2-core VM and queue a new measurement instead of
     # using it, so up to three loads, as the product would at its next starts
     for n_ctx in (SETTINGS["n_ctx"], 1024):
-        for attempt in range(3):
+        for _ in range(3):
             with specllama.load(model_paths["target"], model_paths["draft"], n_ctx=n_ctx, n_threads=2) as llm:
                 written = records.read(calibrate.costs_key(llm.target, llm.draft))
                 assert written is not None and written["how"] == "specllama calibrate", n_ctx  # the key run reads

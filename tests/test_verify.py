@@ -141,13 +141,15 @@ def test_residual_of_sparse_supports_in_any_order_over_a_whole_vocabulary():
     vocabulary's ids): the positive part of p - q over their union, ids ascending."""
     rng = np.random.default_rng(7)
     n_vocab = 151_936
-    dense = []
+    dists, dense = [], []
     for n in (n_vocab, 3_000):
         ids = rng.permutation(n_vocab)[:n]
         probs = rng.random(n)
-        dense.append(np.bincount(ids, probs / probs.sum(), minlength=n_vocab))
-    p, q = (Dist.from_dense(d) for d in dense)
-    p, q = (Dist(d.ids[order], d.probs[order]) for d in (p, q) for order in [np.argsort(-d.probs, kind="stable")])
+        probs /= probs.sum()
+        order = np.argsort(-probs, kind="stable")
+        dists.append(Dist(ids[order].astype(np.int64), probs[order]))
+        dense.append(np.bincount(ids, probs, minlength=n_vocab))
+    p, q = dists
     expected = np.maximum(dense[0] - dense[1], 0.0)
     r = residual(p, q)
     assert r.ids.tolist() == np.flatnonzero(expected > 0).tolist()
