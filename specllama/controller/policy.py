@@ -31,13 +31,17 @@ step, and robust running estimates correct the calibration they start from, so a
 stale calibration cannot keep speculation on where it loses.
 
 A record that stopped the draft is not renewed while it stays off: plain and lookup rounds
-judge no drafts, the text's mean acceptance sinks back to its prior, and the draft falls
-further behind. So a bad stretch early on (or lookup's rounds) could keep the draft off for
-the rest of a generation it would have served. Rounds without the draft therefore earn a
-credit, EXPLORE_SHARE of their modelled time, and once it covers a short draft round the
-draft is tried again (never to start its prefill); the try's modelled cost beyond what the
-best other source would have taken for its tokens, its catch-up included, is paid from the
-credit. Where the draft really loses, trying costs at most that share of the time.
+judge no drafts, and the draft falls a token further behind with each. Two things bring it
+back. The text's mean acceptance sinks back to the pair's long-run record, and the catch-up
+(one batch of the tokens it missed) is spread over the tokens the draft will serve
+(lag_cost): charged to one round in full, it grew with every plain round and kept a draft
+that was on a par with plain decoding off for the rest of the generation. And rounds without
+the draft earn a credit, EXPLORE_SHARE of their modelled time; once it covers a short draft
+round, its catch-up included, the draft is tried again (never to start its prefill), and the
+try's modelled cost beyond what the best other source would have taken for its tokens is
+paid from the credit. Where the draft really loses, trying costs at most that share of the
+time; where catching up costs more than the share earns meanwhile (a CPU's batches), the
+tries stop and the record alone decides.
 """
 
 from __future__ import annotations
@@ -57,6 +61,7 @@ from .costs import OnlineCosts, shared_pass_costs
 
 EXPLORE_SHARE = 0.015  # of the modelled time of rounds without the draft, spent trying it again
 TRY_DRAFT = 2  # the most tokens such a try drafts
+CATCH_UP_HORIZON = 32  # tokens a catch-up is expected to serve before the draft is left behind again
 
 
 class Policy(Protocol):
@@ -161,14 +166,21 @@ class Controller:
         return float((self.lookup_hits[i] + 0.5 * 2.0) / (self.lookup_seen[i] + 2.0))
 
     def lag_cost(self, n_lag: int, prefill: bool) -> float:
-        """Seconds of draft decoding a draft round must pay before its first draft, beyond the
-        one token every round feeds it: catching up with tokens other sources proposed, in
-        full; its prefill, spread over the tokens the generation may still produce (a
-        one-time cost, worth paying where the draft will serve many rounds)."""
-        seconds = max(0, n_lag - 1) * self.costs.catch_up_token
-        if prefill:
-            seconds *= (1.0 + self.draft_acceptance.mean()) / max(self.n_left, 1)
-        return seconds
+        """Seconds a draft round must count for the tokens the draft is behind, beyond the one
+        token every round feeds it. Decoding them is paid once and serves every draft round
+        after it, so it is spread over the tokens those rounds are expected to bring: the rest
+        of the generation for its prefill, at most CATCH_UP_HORIZON tokens for a catch-up
+        (lookup or plain rounds may leave the draft behind again). Charged to one round in
+        full, the lag would grow with every round without the draft and keep it off for the
+        rest of a generation it would have served."""
+        seconds = self._catch_up(n_lag)
+        horizon = self.n_left if prefill else min(self.n_left, CATCH_UP_HORIZON)
+        return seconds * min(1.0, (1.0 + self.draft_acceptance.mean()) / max(horizon, 1))
+
+    def _catch_up(self, n_lag: int) -> float:
+        """The draft's seconds to decode the n_lag tokens it is behind, beyond the one token
+        every round feeds it."""
+        return self.costs.catch_up(n_lag) - self.costs.catch_up(1) if n_lag >= 2 else 0.0
 
     def plan(self, k_cap: int, n_match: int, n_lookup: int, lag: tuple[int, bool] = (0, False)) -> tuple[str, int]:
         """The source ("none", "draft", "lookup") and most tokens to draft this round; lag is
@@ -197,7 +209,8 @@ class Controller:
                 best, choice = rate, ("lookup", k)
         if draft_rate > best:
             choice = ("draft", k_cap)
-        elif self.has_draft and not lag[1] and self._credit >= self._c_d + self._v[2] - 1.0 / best:
+        elif self.has_draft and not lag[1] and \
+                self._credit >= self._c_d + self._v[2] - 1.0 / best + self._catch_up(lag[0]):
             # a short try: a token or two tell whether the text has turned
             choice, self._trying = ("draft", min(k_cap, TRY_DRAFT)), True
         if choice[0] == "draft":
@@ -298,9 +311,12 @@ class Controller:
         v = self._v
         rows = min(max(outcome.rows, 1), len(v) - 1)
         if self._trying:  # at least one draft step: the draft drafted before anything was decided
+            # the whole catch-up, not lag_cost's share: it is spent whether or not the draft
+            # serves the rounds after (a try every so many plain rounds would otherwise cost a
+            # compute-bound target the draft's batch time of every token it decoded plainly)
             n_steps = max(1, len(outcome.report.confidence) + (outcome.report.dropped is not None))
-            catch_up = max(0, outcome.report.catch_up[0] - 1) * self.costs.catch_up_token
-            self._credit -= n_steps * self._c_d + catch_up + v[rows] - len(outcome.new) / self._rate_else
+            self._credit -= n_steps * self._c_d + self._catch_up(outcome.report.catch_up[0]) + v[rows] \
+                - len(outcome.new) / self._rate_else
         elif outcome.source != "draft":
             self._credit += EXPLORE_SHARE * v[rows]
 
