@@ -372,12 +372,13 @@ def measure_costs(target: Model, draft: Optional[Drafter], max_verify: int = MAX
     return costs, {"v1_repeats": v1_repeats, "draft_repeats": draft_repeats}
 
 
-def quick_costs(target: Model, draft: Optional[Drafter]) -> tuple[float, Optional[float]]:
-    """A few live decodes to check a cached curve against: (one target token, one draft step),
-    each the fastest of three, as the curve keeps the fastest of its repeats (a median would
-    read a moment's disturbance as a slower machine). Clears both caches."""
+def quick_costs(target: Model, draft: Optional[Drafter]) -> tuple[list[float], Optional[list[float]]]:
+    """A few live decodes to check a cached curve against: three timings each of one target
+    token and one draft step (compare their fastest, as the curve keeps the fastest of its
+    repeats: a median would read a moment's disturbance as a slower machine). Clears both
+    caches."""
     context = target.tokenize(PROBE_TEXT, add_special=False)[:N_CONTEXT + 4]
-    out: list[Optional[float]] = []
+    out: list[Optional[list[float]]] = []
     for model in (target, draft):
         if model is None:
             out.append(None)
@@ -386,7 +387,7 @@ def quick_costs(target: Model, draft: Optional[Drafter]) -> tuple[float, Optiona
             model.truncate(0)
             model.decode(context[:N_CONTEXT])
             _time_decode(model, N_CONTEXT, context[N_CONTEXT:], 1, 1)
-            out.append(min(_time_decode(model, N_CONTEXT, context[N_CONTEXT:], 1, 3)))
+            out.append(_time_decode(model, N_CONTEXT, context[N_CONTEXT:], 1, 3))
         finally:
             model.truncate(0)
     assert out[0] is not None

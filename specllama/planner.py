@@ -69,6 +69,7 @@ class Planner:
         self._costs: Optional[Costs] = None
         self.costs_record: Optional[dict] = None  # what the costs in use came from, with its evidence
         self._online_costs: Optional[OnlineCosts] = None
+        self._v1_live: list[float] = []  # one-token decodes timed at load (stand for the first plain rounds)
         # the draft's confidence calibration, learned across calls and kept on disk per pair;
         # greedy and sampled drafts mean different things by confidence (top probability; q of
         # a sampled token)
@@ -109,11 +110,13 @@ class Planner:
         """Why live decodes disagree with a cached curve, or None; a disagreement is timed again
         before it counts, so one disturbed moment at load does not discard a good curve."""
         v1_now, draft_now = quick_costs(self.target, self.draft)
-        if records.stale(record, v1_now, draft_now) is None:
+        self._v1_live = v1_now
+        if records.stale(record, min(v1_now), None if draft_now is None else min(draft_now)) is None:
             return None
         v1_again, draft_again = quick_costs(self.target, self.draft)
-        return records.stale(record, min(v1_now, v1_again),
-                             None if draft_now is None or draft_again is None else min(draft_now, draft_again))
+        self._v1_live = v1_again
+        return records.stale(record, min(v1_now + v1_again),
+                             None if draft_now is None or draft_again is None else min(draft_now + draft_again))
 
     def costs(self, measure: bool = False) -> Optional[Costs]:
         """The decode costs in use (None: not measured yet); measure=True measures them now."""
@@ -130,7 +133,7 @@ class Planner:
             problem = records.costs_problem(costs.verify, costs.draft_token, **evidence)
             if problem is None:
                 break
-        self._costs, self._online_costs = costs, None
+        self._costs, self._online_costs, self._v1_live = costs, None, evidence["v1_repeats"][-3:]
         if problem is not None:  # used for now, never cached, measured again when idle
             log.warning("%s: the machine looked busy while measuring decode costs (%s); using them for now, not "
                         "caching them, measuring again when idle", self.target.name, problem)
@@ -300,7 +303,7 @@ class Planner:
             costs, acceptance = OnlineCosts(self._costs, frozen=True), Acceptance()
         else:
             if self._online_costs is None:
-                self._online_costs = OnlineCosts(self._costs)
+                self._online_costs = OnlineCosts(self._costs, v1_live=self._v1_live)
             costs, acceptance = self._online_costs, self._acceptance[req.sampling.greedy]
         lookup = self.lookup is True or (self.lookup is None and has_draft)
         limit = min(limit, MAX_DRAFT)

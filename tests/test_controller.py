@@ -161,6 +161,22 @@ def test_v1_follows_the_machines_load_between_plain_rounds():
     assert costs.v(4) == pytest.approx(1.5 * THIS_CPU_F16.v(4), rel=0.02)
 
 
+def test_one_token_decodes_timed_at_load_stand_for_the_first_plain_rounds():
+    """A fresh process's first generation starts drafting: the decodes load just timed give
+    v(1), and the batch rounds then place them on the line; a frozen curve ignores them."""
+    live = [1.2 * THIS_CPU_F16.v(1)] * 3
+    costs = OnlineCosts(THIS_CPU_F16, v1_live=live)
+    assert not costs.wants(1)
+    assert costs.v(1) == pytest.approx(1.2 * THIS_CPU_F16.v(1))
+    assert Controller(costs, 8, has_draft=True, lookup=False).plan(8, 0, 0)[0] == "draft"
+    assert OnlineCosts(THIS_CPU_F16).wants(1)
+    assert Controller(OnlineCosts(THIS_CPU_F16), 8, has_draft=True, lookup=False).plan(8, 0, 0)[0] == "none"
+    assert OnlineCosts(THIS_CPU_F16, frozen=True, v1_live=live).v(1) == pytest.approx(THIS_CPU_F16.v(1))
+    for n in [2, 4, 6, 3, 5] * 2:  # the batches run at the calibrated speed: v(1) stays where it was timed
+        costs.observe_verify(n, THIS_CPU_F16.v(n))
+    assert costs.v(1) == pytest.approx(1.2 * THIS_CPU_F16.v(1))
+
+
 @pytest.mark.parametrize("stream", [constant(0.8), code_like], ids=["constant", "code-like"])
 def test_noisy_timings_keep_the_controller_near_the_best_fixed_length(stream):
     """Per-round times scatter 15% around the truth, draft steps too."""

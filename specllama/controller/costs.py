@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import statistics
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Optional
 
@@ -41,10 +42,14 @@ class OnlineCosts:
     to the line's level at the time: the machine's load moves the whole curve, so v(1) follows
     it between plain rounds instead of going stale. The draft cost is the median of the last
     measured steps. frozen=True keeps the calibration (seeded sampling: the same seed must
-    give the same text, so no timing may steer the rounds).
+    give the same text, so no timing may steer the rounds). v1_live: one-token decodes this
+    process timed moments ago (checking or measuring the curve at load), which stand for the
+    first plain rounds: a fresh process's first generation need not decode its first three
+    rounds plainly to learn what load just measured.
     """
 
-    def __init__(self, seed: Costs, *, window: int = 9, frozen: bool = False, refresh: int = 64):
+    def __init__(self, seed: Costs, *, window: int = 9, frozen: bool = False, refresh: int = 64,
+                 v1_live: Sequence[float] = ()):
         self.seed, self.frozen, self.refresh = seed, frozen, refresh
         # the calibrated curve's shape, non-decreasing: a pass over more tokens never costs less
         self._shape = Costs(tuple(np.maximum.accumulate(seed.verify).tolist()), seed.draft_token)
@@ -55,6 +60,8 @@ class OnlineCosts:
         self._last_one = 0  # n_observed when v(1) was last measured
         self._line: Optional[tuple[float, float, int, int]] = None  # cached fit
         self.n_observed = 0
+        if not frozen:
+            self._one.extend([seconds / self._shape.v(1), None] for seconds in v1_live if seconds > 0)
 
     def observe_verify(self, n: int, seconds: float) -> None:
         if self.frozen or seconds <= 0:
