@@ -133,7 +133,8 @@ class Planner:
             problem = records.costs_problem(costs.verify, costs.draft_token, **evidence)
             if problem is None:
                 break
-        self._costs, self._online_costs, self._v1_live = costs, None, evidence["v1_repeats"][-3:]
+        self._costs, self._online_costs = costs, None
+        self._v1_live = evidence["v1_repeats"][-3:] if problem is None else []
         if problem is not None:  # used for now, never cached, measured again when idle
             log.warning("%s: the machine looked busy while measuring decode costs (%s); using them for now, not "
                         "caching them, measuring again when idle", self.target.name, problem)

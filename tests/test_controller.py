@@ -163,7 +163,9 @@ def test_v1_follows_the_machines_load_between_plain_rounds():
 
 def test_one_token_decodes_timed_at_load_stand_for_the_first_plain_rounds():
     """A fresh process's first generation starts drafting: the decodes load just timed give
-    v(1), and the batch rounds then place them on the line; a frozen curve ignores them."""
+    v(1); timed at the curve's short context, they then follow the batch rounds' level (a long
+    context raises v(1) with the batches) until a plain round measures it. A frozen curve
+    ignores them."""
     live = [1.2 * THIS_CPU_F16.v(1)] * 3
     costs = OnlineCosts(THIS_CPU_F16, v1_live=live)
     assert not costs.wants(1)
@@ -172,9 +174,13 @@ def test_one_token_decodes_timed_at_load_stand_for_the_first_plain_rounds():
     assert OnlineCosts(THIS_CPU_F16).wants(1)
     assert Controller(OnlineCosts(THIS_CPU_F16), 8, has_draft=True, lookup=False).plan(8, 0, 0)[0] == "none"
     assert OnlineCosts(THIS_CPU_F16, frozen=True, v1_live=live).v(1) == pytest.approx(THIS_CPU_F16.v(1))
-    for n in [2, 4, 6, 3, 5] * 2:  # the batches run at the calibrated speed: v(1) stays where it was timed
-        costs.observe_verify(n, THIS_CPU_F16.v(n))
-    assert costs.v(1) == pytest.approx(1.2 * THIS_CPU_F16.v(1))
+    for n in [2, 4, 6, 3, 5] * 2:  # a long context: every batch takes 1.5x the calibrated time
+        costs.observe_verify(n, 1.5 * THIS_CPU_F16.v(n))
+    assert costs.v(1) == pytest.approx(1.5 * THIS_CPU_F16.v(1))
+    assert not costs.wants(1)
+    for _ in range(3):  # plain rounds measure it: 1.8x, at the batches' 1.5x
+        costs.observe_verify(1, 1.8 * THIS_CPU_F16.v(1))
+    assert costs.v(1) == pytest.approx(1.8 * THIS_CPU_F16.v(1), rel=0.05)
 
 
 @pytest.mark.parametrize("stream", [constant(0.8), code_like], ids=["constant", "code-like"])

@@ -43,9 +43,11 @@ class OnlineCosts:
     it between plain rounds instead of going stale. The draft cost is the median of the last
     measured steps. frozen=True keeps the calibration (seeded sampling: the same seed must
     give the same text, so no timing may steer the rounds). v1_live: one-token decodes this
-    process timed moments ago (checking or measuring the curve at load), which stand for the
-    first plain rounds: a fresh process's first generation need not decode its first three
-    rounds plainly to learn what load just measured.
+    process timed moments ago beside the curve (checking or measuring it at load), which stand
+    for the first plain rounds: a fresh process's first generation need not decode its first
+    three rounds plainly to learn what load just measured. They were timed at the curve's short
+    context, so they count at their own level: v(1) follows the batch rounds' level (a long
+    context's as much as a busier machine's) until plain rounds measure it.
     """
 
     def __init__(self, seed: Costs, *, window: int = 9, frozen: bool = False, refresh: int = 64,
@@ -61,7 +63,8 @@ class OnlineCosts:
         self._line: Optional[tuple[float, float, int, int]] = None  # cached fit
         self.n_observed = 0
         if not frozen:
-            self._one.extend([seconds / self._shape.v(1), None] for seconds in v1_live if seconds > 0)
+            self._one.extend([ratio, ratio] for ratio in (s / self._shape.v(1) for s in v1_live if s > 0))
+        self._n_stand_ins = len(self._one)  # each plain round's own measurement replaces one
 
     def observe_verify(self, n: int, seconds: float) -> None:
         if self.frozen or seconds <= 0:
@@ -69,6 +72,9 @@ class OnlineCosts:
         ratio = seconds / self._shape.v(n)
         self.n_observed += 1
         if n == 1:
+            if self._n_stand_ins:
+                self._one.popleft()
+                self._n_stand_ins -= 1
             self._one.append([ratio, self._level() if len(self._batches) >= 3 else None])
             self._last_one = self.n_observed
         else:
