@@ -22,6 +22,12 @@ def bench_models() -> dict[str, Path]:
     return {name: fetch_models.path_of(name) for name in ("target", "target-f16", "draft")}
 
 
+def rate(stats) -> float:
+    """Tokens per second after the target's prefill, the draft's prefill counted."""
+    seconds = stats.t_decode + stats.t_draft_prefill
+    return (stats.n_generated - 1) / seconds if stats.n_generated > 1 and seconds > 0 else 0.0
+
+
 def record(row: dict) -> None:
     RESULTS.append(row)
 

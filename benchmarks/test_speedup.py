@@ -29,7 +29,7 @@ import pytest
 import specllama
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from conftest import record  # noqa: E402
+from conftest import rate, record  # noqa: E402
 from workloads import WORKLOADS  # noqa: E402
 
 N_TOKENS = int(os.environ.get("SPECLLAMA_BENCH_TOKENS", "128"))
@@ -57,12 +57,6 @@ def model(bench_models, target: str, draft: str | None):
                                       idle_work=False)
         _loaded[key].warm_up()
     return _loaded[key]
-
-
-def rate(stats) -> float:
-    """Tokens per second after the target's prefill, the draft's prefill counted."""
-    seconds = stats.t_decode + stats.t_draft_prefill
-    return (stats.n_generated - 1) / seconds if stats.n_generated > 1 and seconds > 0 else 0.0
 
 
 @pytest.mark.parametrize("mode", list(MODES))

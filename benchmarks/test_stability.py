@@ -9,10 +9,15 @@ each object's plain decoding of the same request.
 from __future__ import annotations
 
 import os
+import sys
+from pathlib import Path
 
 import pytest
 
 import specllama
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from conftest import rate  # noqa: E402
 
 N_TOKENS = 128
 N_THREADS = int(os.environ.get("SPECLLAMA_BENCH_THREADS", "2"))
@@ -37,19 +42,19 @@ def test_runs_are_within_ten_percent_of_the_best(bench_models, workload):
                             idle_work=False) as llm:
             llm.warm_up()
             llm.chat(messages, max_tokens=8, n_draft=2)  # the draft has read the prompt, as from the second request on
-            plain.append([_rate(llm.chat(messages, max_tokens=N_TOKENS, n_draft=0).stats)])
+            plain.append([rate(llm.chat(messages, max_tokens=N_TOKENS, n_draft=0).stats)])
             for _ in range(4):
                 s = llm.chat(messages, max_tokens=N_TOKENS).stats
-                rates.append((obj, _rate(s), s.n_plain_rounds, s.n_lookup_rounds, s.n_rounds))
-            plain[-1].append(_rate(llm.chat(messages, max_tokens=N_TOKENS, n_draft=0).stats))
+                rates.append((obj, rate(s), s.n_plain_rounds, s.n_lookup_rounds, s.n_rounds))
+            plain[-1].append(rate(llm.chat(messages, max_tokens=N_TOKENS, n_draft=0).stats))
     best = max(r for _, r, _, _, _ in rates)
     best_speedup = max(r / max(plain[obj]) for obj, r, _, _, _ in rates)
     print(f"\n{workload}: tok/s per run (object, rate, plain rounds, lookup rounds, rounds), best {best:.2f}")
     for obj in range(3):
         print(f"  object {obj} decoding plainly: {plain[obj][0]:.2f} and {plain[obj][1]:.2f} tok/s")
-    for obj, rate, n_plain, n_lookup, n_rounds in rates:
-        speedup = rate / max(plain[obj])
-        print(f"  object {obj}: {rate:.2f} tok/s ({rate / best:.0%} of the best), {n_plain} plain and {n_lookup} "
+    for obj, tok_s, n_plain, n_lookup, n_rounds in rates:
+        speedup = tok_s / max(plain[obj])
+        print(f"  object {obj}: {tok_s:.2f} tok/s ({tok_s / best:.0%} of the best), {n_plain} plain and {n_lookup} "
               f"lookup rounds of {n_rounds}; {speedup:.2f}x its object's plain ({speedup / best_speedup:.0%} of the "
               f"best)")
     worst = min(r for _, r, _, _, _ in rates)
@@ -57,7 +62,3 @@ def test_runs_are_within_ten_percent_of_the_best(bench_models, workload):
     print(f"  worst run {worst / best:.0%} of the best (goal: at least 90%); plain decoding's slowest object "
           f"{min(max(p) for p in plain) / plain_best:.0%} of its fastest; worst speedup "
           f"{min(r / max(plain[obj]) for obj, r, _, _, _ in rates) / best_speedup:.0%} of the best")
-
-
-def _rate(stats) -> float:
-    return (stats.n_generated - 1) / (stats.t_decode + stats.t_draft_prefill)
