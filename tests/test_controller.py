@@ -283,7 +283,7 @@ def test_online_costs_are_robust_to_one_slow_round():
 
 def test_lookup_is_chosen_when_it_is_predicted_to_yield_more():
     policy = controller(MEMORY_BOUND, lookup=True)
-    for _ in range(2):  # a pair with a record (an untried draft is tried first)
+    for _ in range(20):  # a pair with a record (an untried draft is tried first, a thin record hoped for)
         policy.draft_acceptance.observe([0.6] * 8, 5)
     choices = []
     offer = list(range(100, 112))  # an edit: lookup offers 12 tokens the output then copies
@@ -569,3 +569,27 @@ def test_a_lane_drafts_exactly_where_drafting_raises_all_lanes_rate():
         assert own == together
         n_agree += own
     assert 0 < n_agree < 300  # both answers occur
+
+
+# F16 at 3,000 tokens of KV on our 2-core AMD (a traced chat): one token 120 ms, 2: 196, 3: 217,
+# then ~22 ms a row; the 0.5B draft 40 ms a token. Drafting breaks even at about 0.81.
+LONG_F16_CPU = Costs(verify=(0.120, 0.196, 0.217, *(0.241 + 0.022 * (n - 4) for n in range(4, 18))),
+                     draft_token=0.040)
+
+
+def test_an_unlucky_start_does_not_keep_a_paying_draft_off():
+    """A fresh pair drafts this text at 0.9, where drafting breaks even at about 0.81 and the
+    best fixed length is 1.16x plain decoding. Greedy on its estimate, the controller went
+    plain for good in half the runs: a start of, say, 6 accepted of 8 reads below break-even,
+    plain rounds judge no drafts, and catching up costs a CPU more than the exploration credit
+    earns. Hoping for 1.5 standard errors above the estimate (counted over the pair's judged
+    drafts), it drafts on until the evidence can say; a draft that loses stops (the
+    exploration-share test above)."""
+    n_on = 0
+    for seed in range(10):
+        clock = Clock()
+        policy = Controller(OnlineCosts(LONG_F16_CPU, frozen=True), 8, has_draft=True, lookup=False, clock=clock,
+                            n_tokens=4096)
+        _, lengths = simulate(policy, LONG_F16_CPU, constant(0.9, confidence=0.9), 300, seed=seed, clock=clock)
+        n_on += sum(k > 0 for k in lengths[100:]) >= 0.9 * len(lengths[100:])
+    assert n_on >= 8, n_on

@@ -185,7 +185,8 @@ class Controller:
     def plan(self, k_cap: int, n_match: int, n_lookup: int, lag: tuple[int, bool] = (0, False)) -> tuple[str, int]:
         """The source ("none", "draft", "lookup") and most tokens to draft this round; lag is
         the draft's (tokens to decode before drafting, whether its prefill is among them)."""
-        k_cap = min(k_cap, self.limit)
+        # a round makes at most k + 1 tokens: drafts past the generation's end buy nothing
+        k_cap = min(k_cap, self.limit, self.n_left - 1 if self.n_left > 0 else k_cap)
         self._round, self._match, self._trying = None, n_match, False
         best, choice = 1.0 / self._v[1], ("none", 0)
         if k_cap <= 0 or (self.costs.wants(1) and self._load[1] <= 1):
@@ -196,13 +197,16 @@ class Controller:
         if self.has_draft:
             extra = self.lag_cost(*lag)
             on_record, _ = self._best_draft_rate(self.draft_acceptance.mean(), k_cap, extra=extra)
+            # whether to draft: hoping for a standard error above the pair's record (greedy
+            # on the record, an unlucky start kept a draft off that it alone could renew)
+            hoped, _ = self._best_draft_rate(self.draft_acceptance.hoped_mean(), k_cap, extra=extra)
             # optimistic until the pair has judged N_EXPLORE drafts: a draft never tried is
             # never learned (a pessimistic start kept a fresh load plain through whole
             # generations of code it drafts at 80%), and nor is one whose first draft, an
             # answer's unsure opening, was rejected (a prior of 1 worth two tokens then sank
             # to 0.67, below what drafting needs on this CPU); a few rounds find out
             untried = self.draft_acceptance.n_judged < N_EXPLORE
-            draft_rate = self._best_draft_rate(1.0, k_cap, extra=extra)[0] if untried else on_record
+            draft_rate = self._best_draft_rate(1.0, k_cap, extra=extra)[0] if untried else hoped
         if self.lookup and n_lookup:
             rate, k = self._best_draft_rate(self.lookup_alpha(n_match), min(k_cap, n_lookup), c_d=0.0)
             if rate > best:
