@@ -197,8 +197,8 @@ class Controller:
         if self.has_draft:
             extra = self.lag_cost(*lag)
             on_record, _ = self._best_draft_rate(self.draft_acceptance.mean(), k_cap, extra=extra)
-            # whether to draft: hoping for a standard error above the pair's record (greedy
-            # on the record, an unlucky start kept a draft off that it alone could renew)
+            # whether to draft: hoping for RECORD_HOPE standard errors above the mean (greedy
+            # on it, an unlucky start kept a draft off that only drafting could renew)
             hoped, _ = self._best_draft_rate(self.draft_acceptance.hoped_mean(), k_cap, extra=extra)
             # optimistic until the pair has judged N_EXPLORE drafts: a draft never tried is
             # never learned (a pessimistic start kept a fresh load plain through whole
