@@ -197,16 +197,16 @@ class Controller:
         if self.has_draft:
             extra = self.lag_cost(*lag)
             on_record, _ = self._best_draft_rate(self.draft_acceptance.mean(), k_cap, extra=extra)
-            # whether to draft: hoping for RECORD_HOPE standard errors above the mean (greedy
-            # on it, an unlucky start kept a draft off that only drafting could renew)
-            hoped, _ = self._best_draft_rate(self.draft_acceptance.hoped_mean(), k_cap, extra=extra)
             # optimistic until the pair has judged N_EXPLORE drafts: a draft never tried is
             # never learned (a pessimistic start kept a fresh load plain through whole
             # generations of code it drafts at 80%), and nor is one whose first draft, an
             # answer's unsure opening, was rejected (a prior of 1 worth two tokens then sank
-            # to 0.67, below what drafting needs on this CPU); a few rounds find out
+            # to 0.67, below what drafting needs on this CPU); a few rounds find out. After
+            # that, hoping for RECORD_HOPE standard errors above the mean (greedy on it, an
+            # unlucky start kept a draft off that only drafting could renew)
             untried = self.draft_acceptance.n_judged < N_EXPLORE
-            draft_rate = self._best_draft_rate(1.0, k_cap, extra=extra)[0] if untried else hoped
+            hope = 1.0 if untried else self.draft_acceptance.hoped_mean()
+            draft_rate, _ = self._best_draft_rate(hope, k_cap, extra=extra)
         if self.lookup and n_lookup:
             rate, k = self._best_draft_rate(self.lookup_alpha(n_match), min(k_cap, n_lookup), c_d=0.0)
             if rate > best:
