@@ -25,7 +25,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import fetch_models  # noqa: E402
-from test_chat import N_CTX, N_TOKENS, QUESTIONS, system_messages  # noqa: E402
+from test_chat import N_CTX, N_TOKENS, chat_turns  # noqa: E402
 
 
 def main() -> None:
@@ -40,26 +40,25 @@ def main() -> None:
     modes = [m if m == "auto" else int(m) for m in args.modes.split(",")]
     with specllama.load(fetch_models.path_of(args.target), fetch_models.path_of("draft"), n_ctx=N_CTX,
                         flash_attn=False, idle_work=False) as llm:
-        messages, turns = system_messages(), []
-        for question in QUESTIONS:
-            messages = messages + [{"role": "user", "content": question}]
+        turns: list[list[dict]] = []
+
+        def first_pass(messages):  # the conversation as chat_turns builds it, each turn's messages kept
             turns.append(messages)
-            messages = messages + [{"role": "assistant", "content": llm.chat(messages, max_tokens=N_TOKENS).text}]
+            return llm.chat(messages, max_tokens=N_TOKENS).text, 0.0, 0.0, {}
+
+        chat_turns(first_pass)
         print(f"idle work: {', '.join(llm.warm_up())}", flush=True)
         for repeat in range(args.repeats):
             for mode in modes:
-                t0, n_tokens, rounds, drafted, accepted = time.perf_counter(), 0, [0, 0, 0], 0, 0
-                for turn in turns:
-                    s = llm.chat(turn, max_tokens=N_TOKENS, n_draft=mode).stats
-                    n_lookup = s.n_lookup_rounds
-                    rounds = [rounds[0] + s.n_plain_rounds, rounds[1] + s.n_rounds - s.n_plain_rounds - n_lookup,
-                              rounds[2] + n_lookup]
-                    n_tokens, drafted, accepted = n_tokens + s.n_generated, drafted + s.n_drafted, \
-                        accepted + s.n_accepted
+                t0 = time.perf_counter()
+                stats = [llm.chat(turn, max_tokens=N_TOKENS, n_draft=mode).stats for turn in turns]
                 seconds = time.perf_counter() - t0
-                print(f"repeat {repeat} n_draft={mode}: 4 turns {seconds:.1f}s ({n_tokens / seconds:.2f} tok/s); "
-                      f"rounds plain {rounds[0]}, draft model {rounds[1]}, lookup {rounds[2]}; "
-                      f"{accepted} of {drafted} proposed tokens accepted", flush=True)
+                n_plain, n_lookup = sum(s.n_plain_rounds for s in stats), sum(s.n_lookup_rounds for s in stats)
+                n_draft = sum(s.n_rounds for s in stats) - n_plain - n_lookup
+                print(f"repeat {repeat} n_draft={mode}: {len(turns)} turns {seconds:.1f}s "
+                      f"({sum(s.n_generated for s in stats) / seconds:.2f} tok/s); rounds plain {n_plain}, "
+                      f"draft model {n_draft}, lookup {n_lookup}; {sum(s.n_accepted for s in stats)} of "
+                      f"{sum(s.n_drafted for s in stats)} proposed tokens accepted", flush=True)
 
 
 if __name__ == "__main__":
