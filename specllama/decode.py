@@ -16,7 +16,7 @@ from typing import Optional
 import numpy as np
 
 from .constraints import Constraint
-from .controller import Policy
+from .controller import Policy, planning_load
 from .fidelity import Limits, near_tie, top_gap
 from .proposals import EMPTY, NO_REPORT, DraftReport, Proposal, RoundOutcome, TreeShape
 from .proposers import Generation, Proposer
@@ -181,10 +181,12 @@ def _record(d: Decoding, r: _Round, path: list[int], new: list[int], times: tupl
         stats.record_tree(r.proposal.tree, path)
     if d.proposer is not None:
         # a lane's pass: its rows (other lanes' too) are what its time bought, and the time it
-        # waited for other lanes' rounds is not this round's cost
+        # waited for other lanes' rounds is not this round's cost; the next round plans for
+        # the lanes generating now (planning_load)
         n_own = r.n_pending + len(r.proposal.tokens) + 1
         n_verify = max(n_own, d.target.n_batch_rows)
-        seconds, lanes = t4 - t2 - d.target.t_waited, (n_verify - n_own, d.target.n_batch_lanes)
+        seconds = t4 - t2 - d.target.t_waited
+        lanes = planning_load(n_verify - n_own, d.target.n_batch_lanes, d.target.n_lanes_active)
         if len(path) >= r.n_forced:
             d.policy.observe(RoundOutcome(r.source, r.drafted, new[r.n_forced:], seconds, d.sampling.greedy,
                                           r.report, r.offer, n_verify, *lanes))

@@ -12,6 +12,7 @@ with it (records.py); a curve the rounds keep contradicting is replaced by what 
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Optional, Union
@@ -281,14 +282,14 @@ class Planner:
             and req.n_draft != 0 else None
         if not self.speculates or req.n_draft == 0:
             return forced, FixedDraft(0)
-        policy = self._policy(req)
+        policy = self._policy(req, _working_clock(draft))
         if not (policy.has_draft or policy.lookup):
             return forced, FixedDraft(0)
         drafting = DraftModelProposer(draft, prompt_cache, canonical=req.seeded) \
             if policy.has_draft and draft is not None else None
         return Proposer(drafting, PromptLookupProposer() if policy.lookup or drafting is None else None), policy
 
-    def _policy(self, req: Request) -> Policy:
+    def _policy(self, req: Request, clock: Callable[[], float]) -> Policy:
         level = req.level
         # the short-context limit; rounds at longer KV lengths get their own (Limits)
         limit = self.explain_short_limit(level) - 1 if level.limited else MAX_N_DRAFT
@@ -311,4 +312,12 @@ class Planner:
         # not even an always-right draft beats plain decoding here: leave the draft model idle
         return Controller(costs, limit, has_draft=has_draft and draft_can_pay(costs, limit), lookup=lookup,
                           acceptance=acceptance, width=AUTO_WIDTH if req.tree == "auto" else int(req.tree),
-                          n_tokens=req.max_tokens)
+                          n_tokens=req.max_tokens, clock=clock)
+
+
+def _working_clock(draft: Optional[Drafter]) -> Callable[[], float]:
+    """The controller's clock: seconds now, less what the draft's decodes waited for other
+    lanes' passes (the gaps between draft_more calls then time its steps, not the others')."""
+    if draft is None:
+        return time.perf_counter
+    return lambda: time.perf_counter() - draft.t_waited_total

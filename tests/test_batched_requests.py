@@ -15,7 +15,12 @@ import specllama
 from conftest import SETTINGS
 from specllama.errors import InvalidParameterError
 from specllama.fidelity import parse_level
-from specllama.runtime.shared import _groups, _Job
+import time
+from types import SimpleNamespace
+
+from specllama.planner import _working_clock
+from specllama.runtime.shared import Parking, SharedContext, _groups, _Job
+from specllama.slots import Turns
 from test_concurrency import SCHEMA, at_once
 
 BOUND = 1.0
@@ -134,6 +139,38 @@ def test_groups_respect_the_batch_and_every_members_cap():
     assert sizes == [[1, 3, 4], [2], [10], [1]]
     assert [[len(j.items) for j in g] for g in _groups([job(300, 512), job(300, 512)], 512)] == [[300], [300]]
     assert [len(g) for g in _groups([job(1, 4)] * 6, 512)] == [4, 2]
+
+
+def test_the_target_s_pass_lets_parked_draft_steps_go_first():
+    """Pure: every lane parked, one at the target's pass and one at a draft step: the draft's
+    step is decoded first (the drafting lane then reaches the same verify pass instead of the
+    target decoding each lane's rows alone); the draft's steps never wait for the target."""
+    target, draft = object.__new__(SharedContext), object.__new__(SharedContext)
+    parking = Parking()
+    for context in (target, draft):
+        context.parking, context._parked, context._cv = parking, [], threading.Condition()
+        context.turn, context.n_active = Turns(), lambda: 2
+        parking.contexts.append(context)
+    at_verify, at_step = _Job([(1, 0, (0,), True)] * 4, 8), _Job([(1, 0, (4,), True)], 8)
+    target._parked.append(at_verify)
+    later = time.perf_counter() + 60
+    assert target._now(at_verify, later) is None  # the other lane is on its way
+    draft._parked.append(at_step)
+    assert target._now(at_verify, later) is False and draft._now(at_step, later) is True
+    draft._parked.clear()  # its step decoded, it reached the pass: both lanes' rows go in one
+    target._parked.append(_Job([(1, 0, (4,), True)] * 4, 8))
+    assert target._now(at_verify, later) is True
+
+
+def test_a_lane_s_draft_steps_are_timed_without_its_waits():
+    """Pure: the controller's clock leaves out what the draft's decodes waited for other lanes'
+    passes, so a draft step under load is priced at its own pass, not at the others' too."""
+    draft = SimpleNamespace(t_waited_total=0.0)
+    clock = _working_clock(draft)
+    t0 = clock()
+    draft.t_waited_total += 0.5  # a step that waited half a second for another lane's pass
+    assert clock() - t0 < 0.1
+    assert _working_clock(None) is time.perf_counter
 
 
 def test_batch_requests_is_checked(model_paths):

@@ -571,6 +571,25 @@ def test_a_lane_drafts_exactly_where_drafting_raises_all_lanes_rate():
     assert 0 < n_agree < 300  # both answers occur
 
 
+def test_a_lane_whose_pass_ran_alone_still_plans_for_the_lanes_generating():
+    """planning_load: a lane whose last pass held its rows alone (the three others were still
+    drafting) plans for a pass with a row of each of them; with v' of that load, drafting 4
+    at 0.7 no longer pays where alone it would (the F16 curve of a lane test on our CPU)."""
+    from specllama.controller.costs import planning_load, shared_pass_costs
+
+    assert planning_load(0, 1, 4) == (3, 4)
+    assert planning_load(9, 3, 2) == (9, 3)  # what the pass held, where it held more
+    assert planning_load(0, 1, 1) == (0, 1)
+    v = np.array([0.0, 0.080, 0.130, 0.143, 0.146, 0.166, 0.190, 0.210, 0.230, 0.252, 0.275, 0.298])
+    gain, c_d = sum(0.9 ** m for m in range(1, 5)), 0.030
+
+    def drafting_pays(n_other, n_lanes):
+        w = shared_pass_costs(v, n_other, n_lanes, 6)
+        return (1 + gain) / (4 * c_d + w[5]) > 1 / w[1]
+
+    assert drafting_pays(0, 1) and not drafting_pays(*planning_load(0, 1, 4))
+
+
 # F16 at 3,000 tokens of KV on our 2-core AMD (a traced chat): one token 120 ms, 2: 196, 3: 217,
 # then ~22 ms a row; the 0.5B draft 40 ms a token. Drafting breaks even at about 0.81.
 LONG_F16_CPU = Costs(verify=(0.120, 0.196, 0.217, *(0.241 + 0.022 * (n - 4) for n in range(4, 18))),

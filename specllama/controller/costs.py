@@ -195,3 +195,12 @@ def shared_pass_costs(v: np.ndarray, n_other: int, n_lanes: int, n_max: int) -> 
     n = np.arange(1, n_max + 1)
     base = v[n_other + 1]
     return np.concatenate(([0.0], base / n_lanes + v[n_other + n] - base))
+
+
+def planning_load(n_other: int, n_lanes: int, n_active: int) -> tuple[int, int]:
+    """(n_other, n_lanes) to plan a lane's next round for, from its last pass (the rows and
+    lanes in it beside its own) and the lanes generating now: at least a row of every one of
+    them. A pass that held a lane's rows alone, because the others were still drafting, is no
+    sign the load has gone; planning as if alone, the lane would draft its longest chains and
+    make every other lane wait for its draft steps and its long pass."""
+    return max(n_other, n_active - 1), max(n_lanes, n_active)

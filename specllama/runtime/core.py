@@ -88,6 +88,7 @@ class Runtime(Vocab, TreeDecoding):
         self.n_batch_rows = 0  # rows in the pass that computed the last decode's rows
         self.n_batch_lanes = 1  # lanes whose rows were in that pass
         self.t_waited = 0.0  # of the last decode's time, what it waited for other lanes' rounds
+        self.t_waited_total = 0.0  # the same, summed over every decode
         self._rows = _Rows()
         self._tree: Optional[TreeDecode] = None  # a decoded tree, until one path of it is kept
         self._n_pending = 0  # the last cached tokens, not in the KV cache yet (see _settle)
@@ -162,6 +163,11 @@ class Runtime(Vocab, TreeDecoding):
         return self._memory.checkpoint_bytes
 
     @property
+    def n_lanes_active(self) -> int:
+        """Lanes generating now in this runtime's shared context (1: a context of its own)."""
+        return 1 if self._lane is None else max(1, self._lane.shared.n_active())
+
+    @property
     def n_pending(self) -> int:
         """Cached tokens not in the KV cache yet: they go in front of the next decode's batch."""
         return self._n_pending
@@ -219,6 +225,7 @@ class Runtime(Vocab, TreeDecoding):
         job = self._lane.shared.decode(self._batch, self.batch_cap)
         self._rows.copied, self.n_batch_rows, self.n_batch_lanes = job.rows, job.n_rows, job.n_lanes
         self.t_waited = max(0.0, time.perf_counter() - t0 - job.seconds)
+        self.t_waited_total += self.t_waited
         self._check(job.status, pos, n_tokens)
 
     def _check(self, status: int, pos: int, n_tokens: int) -> None:

@@ -45,6 +45,7 @@ class MtpHead:
 
     RECENT = 256  # target hidden states kept per position, for rollbacks and restores
     follows_target = True  # fed by its target's decodes, the prompt's included
+    t_waited_total = 0.0  # a context of its own: it never waits for other lanes
 
     def __init__(self, target: "Runtime", settings: ModelSettings, stack: ExitStack):
         api = mtp_api()

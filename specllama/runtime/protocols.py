@@ -22,6 +22,7 @@ class Drafter(Protocol):
     n_ctx: int
     memory_use: Optional[MemoryUse]
     follows_target: bool
+    t_waited_total: float  # seconds its decodes waited for other lanes' passes (0: none shared)
 
     @property
     def cached(self) -> list[int]: ...
@@ -99,6 +100,7 @@ class Model(Vocabulary, Protocol):
     n_batch_rows: int  # rows in the pass that computed the last decode's rows
     n_batch_lanes: int  # lanes whose rows were in that pass (1: a context of its own)
     t_waited: float  # of the last decode's time, what it waited for other lanes' rounds
+    n_lanes_active: int  # lanes generating now in its shared context (1: a context of its own)
 
     @property
     def cached(self) -> list[int]: ...

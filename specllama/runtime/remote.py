@@ -55,6 +55,8 @@ class RemoteRuntime:
     n_batch_rows = 0  # unknown: the round's own rows
     n_batch_lanes = 1
     t_waited = 0.0
+    t_waited_total = 0.0
+    n_lanes_active = 1
 
     def __init__(self, settings: ModelSettings):
         self.settings = settings

@@ -163,9 +163,17 @@ class SharedContext:
             n_parked = self.parking.n_parked()
             if n_waiting > n_parked - 1:
                 return False
+            if self._behind_drafts():
+                return False
             if self.turn is None or n_parked >= self.n_active() or time.perf_counter() >= deadline:
                 return True
             return None
+
+    def _behind_drafts(self) -> bool:
+        """Whether this (the target's) context lets the draft's parked steps go first: the
+        lanes drafting then reach this pass too, and the machine stays busy while it waits."""
+        first, *others = self.parking.contexts
+        return first is self and any(context._parked for context in others)
 
     def _withdraw(self, job: _Job) -> None:
         """Interrupted while parked: take the batch back unless a pass is decoding it, then hold
