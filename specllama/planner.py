@@ -289,7 +289,7 @@ class Planner:
             if policy.has_draft and draft is not None else None
         return Proposer(drafting, PromptLookupProposer() if policy.lookup or drafting is None else None), policy
 
-    def _policy(self, req: Request, clock: Callable[[], float]) -> Policy:
+    def _policy(self, req: Request, clock: Callable[[], float] = time.perf_counter) -> Policy:
         level = req.level
         # the short-context limit; rounds at longer KV lengths get their own (Limits)
         limit = self.explain_short_limit(level) - 1 if level.limited else MAX_N_DRAFT

@@ -85,10 +85,9 @@ class Runtime(Vocab, TreeDecoding):
         # a lane: the most rows the pass computing its next rows may have, other lanes' included
         # (1: its rows alone); what the fidelity level allows at its KV length, set per round
         self.batch_cap = 1
-        self.n_batch_rows = 0  # rows in the pass that computed the last decode's rows
-        self.n_batch_lanes = 1  # lanes whose rows were in that pass
-        self.t_waited = 0.0  # of the last decode's time, what it waited for other lanes' rounds
-        self.t_waited_total = 0.0  # the same, summed over every decode
+        self.n_batch_rows, self.n_batch_lanes = 0, 1  # rows and lanes of the pass of the last decode's rows
+        self.t_waited = self.t_waited_total = 0.0  # what the last decode (all, summed) waited for other lanes
+        self.n_lanes_active = 1  # lanes generating in its shared context at that pass (1: a context of its own)
         self._rows = _Rows()
         self._tree: Optional[TreeDecode] = None  # a decoded tree, until one path of it is kept
         self._n_pending = 0  # the last cached tokens, not in the KV cache yet (see _settle)
@@ -163,11 +162,6 @@ class Runtime(Vocab, TreeDecoding):
         return self._memory.checkpoint_bytes
 
     @property
-    def n_lanes_active(self) -> int:
-        """Lanes generating now in this runtime's shared context (1: a context of its own)."""
-        return 1 if self._lane is None else max(1, self._lane.shared.n_active())
-
-    @property
     def n_pending(self) -> int:
         """Cached tokens not in the KV cache yet: they go in front of the next decode's batch."""
         return self._n_pending
@@ -221,11 +215,10 @@ class Runtime(Vocab, TreeDecoding):
             self._check(llama_cpp.llama_decode(self._ctx.ptr, self._batch.c), pos, n_tokens)
             self.n_batch_rows, self.n_batch_lanes, self.t_waited = n_tokens, 1, 0.0
             return
-        t0 = time.perf_counter()
         job = self._lane.shared.decode(self._batch, self.batch_cap)
         self._rows.copied, self.n_batch_rows, self.n_batch_lanes = job.rows, job.n_rows, job.n_lanes
-        self.t_waited = max(0.0, time.perf_counter() - t0 - job.seconds)
-        self.t_waited_total += self.t_waited
+        self.t_waited, self.t_waited_total = job.waited, self.t_waited_total + job.waited
+        self.n_lanes_active = job.n_active
         self._check(job.status, pos, n_tokens)
 
     def _check(self, status: int, pos: int, n_tokens: int) -> None:

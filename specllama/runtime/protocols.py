@@ -100,7 +100,7 @@ class Model(Vocabulary, Protocol):
     n_batch_rows: int  # rows in the pass that computed the last decode's rows
     n_batch_lanes: int  # lanes whose rows were in that pass (1: a context of its own)
     t_waited: float  # of the last decode's time, what it waited for other lanes' rounds
-    n_lanes_active: int  # lanes generating now in its shared context (1: a context of its own)
+    n_lanes_active: int  # lanes generating in its shared context at that pass (1: a context of its own)
 
     @property
     def cached(self) -> list[int]: ...

@@ -52,6 +52,8 @@ class _Job:
     n_rows: int = 0
     seconds: float = 0.0  # the pass's llama_decode
     n_lanes: int = 1  # lanes whose rows were in the pass
+    waited: float = 0.0  # seconds it waited, parked, for other lanes' rounds (not its pass's)
+    n_active: int = 1  # lanes generating when it was done
 
 
 class Parking:
@@ -132,7 +134,8 @@ class SharedContext:
         its job, done (status: llama_decode's; rows: its logits by batch row; the pass's rows,
         lanes and seconds)."""
         job = _Job(batch.items(), max(1, cap))
-        deadline = time.perf_counter() + min(GRACE_SHARE * self._t_pass, GRACE_MAX)
+        t_parked = time.perf_counter()
+        deadline = t_parked + min(GRACE_SHARE * self._t_pass, GRACE_MAX)
         with self._cv:
             self._parked.append(job)
             self._cv.notify_all()
@@ -142,6 +145,8 @@ class SharedContext:
                 if now:
                     self._flush()
                 if job.done:
+                    job.waited = max(0.0, time.perf_counter() - t_parked - job.seconds)
+                    job.n_active = max(1, self.n_active())
                     return job
                 self.turn.release()  # the others' rounds reach their passes
                 if now is None:  # no one waits for the turn: a lane between rounds may park soon
