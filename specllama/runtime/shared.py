@@ -132,7 +132,7 @@ class SharedContext:
     def decode(self, batch: Batch, cap: int) -> _Job:
         """Decode a lane's filled batch (call in the models' turn, which is held again on return):
         its job, done (status: llama_decode's; rows: its logits by batch row; the pass's rows,
-        lanes and seconds)."""
+        lanes and seconds; what it waited for other lanes, and the lanes generating then)."""
         job = _Job(batch.items(), max(1, cap))
         t_parked = time.perf_counter()
         deadline = t_parked + min(GRACE_SHARE * self._t_pass, GRACE_MAX)
@@ -178,7 +178,7 @@ class SharedContext:
         """Whether this (the target's) context lets the draft's parked steps go first: the
         lanes drafting then reach this pass too, and the machine stays busy while it waits."""
         first, *others = self.parking.contexts
-        return first is self and any(context._parked for context in others)
+        return self.turn is not None and first is self and any(context._parked for context in others)
 
     def _withdraw(self, job: _Job) -> None:
         """Interrupted while parked: take the batch back unless a pass is decoding it, then hold
