@@ -8,6 +8,8 @@ for a bound of 1.0 logits; what the default level does with them is tested too."
 from __future__ import annotations
 
 import threading
+import time
+from types import SimpleNamespace
 
 import pytest
 
@@ -15,9 +17,6 @@ import specllama
 from conftest import SETTINGS
 from specllama.errors import InvalidParameterError
 from specllama.fidelity import parse_level
-import time
-from types import SimpleNamespace
-
 from specllama.planner import _working_clock
 from specllama.runtime.shared import Parking, SharedContext, _groups, _Job
 from specllama.slots import Turns

@@ -574,7 +574,7 @@ def test_a_lane_drafts_exactly_where_drafting_raises_all_lanes_rate():
 def test_a_lane_whose_pass_ran_alone_still_plans_for_the_lanes_generating():
     """planning_load: a lane whose last pass held its rows alone (the three others were still
     drafting) plans for a pass with a row of each of them; with v' of that load, drafting 4
-    at 0.7 no longer pays where alone it would (the F16 curve of a lane test on our CPU)."""
+    at 0.9 no longer pays where alone it would (the F16 curve of a lane test on our CPU)."""
     from specllama.controller.costs import planning_load, shared_pass_costs
 
     assert planning_load(0, 1, 4) == (3, 4)
