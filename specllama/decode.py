@@ -187,12 +187,13 @@ def _record(d: Decoding, r: _Round, path: list[int], new: list[int], times: tupl
         n_verify = max(n_own, d.target.n_batch_rows)
         seconds = t4 - t2 - d.target.t_waited
         lanes = planning_load(n_verify - n_own, d.target.n_batch_lanes, d.target.n_lanes_active)
+        n_cap = d.target.batch_cap if d.limits.shared is not None else None
         if len(path) >= r.n_forced:
             d.policy.observe(RoundOutcome(r.source, r.drafted, new[r.n_forced:], seconds, d.sampling.greedy,
-                                          r.report, r.offer, n_verify, *lanes))
+                                          r.report, r.offer, n_verify, *lanes, n_cap))
         else:
             d.policy.observe(RoundOutcome("grammar", EMPTY, new, seconds, d.sampling.greedy, n_verify=n_verify,
-                                          n_other=lanes[0], n_lanes=lanes[1]))
+                                          n_other=lanes[0], n_lanes=lanes[1], n_cap=n_cap))
 
 
 def _judge_near_ties(d: Decoding, rows: list[np.ndarray], first_gap: Optional[float], n_past: int, r: _Round,

@@ -71,7 +71,8 @@ class RoundOutcome:
     new: the tokens the round produced (accepted drafts, then the target's own); seconds: its
     verify pass and rollback; offer: what prompt lookup offered at its start; n_verify: the
     rows verified (forced and pending tokens included; a lane's: the whole shared pass's);
-    n_other, n_lanes: a lane's pass, the rows in it of n_lanes - 1 other lanes."""
+    n_other, n_lanes: a lane's pass, the rows in it of n_lanes - 1 other lanes; n_cap: the most
+    rows a pass with the lane's rows may hold (None: not a lane)."""
 
     source: str
     proposal: Proposal
@@ -83,6 +84,7 @@ class RoundOutcome:
     n_verify: int = 0
     n_other: int = 0
     n_lanes: int = 1
+    n_cap: Optional[int] = None
 
     @property
     def rows(self) -> int:

@@ -590,6 +590,57 @@ def test_a_lane_whose_pass_ran_alone_still_plans_for_the_lanes_generating():
     assert drafting_pays(0, 1) and not drafting_pays(*planning_load(0, 1, 4))
 
 
+def test_rows_past_the_pass_room_are_priced_as_a_pass_of_their_own():
+    """shared_pass_costs with n_cap: rows that do not fit beside the others' are decoded in a
+    pass of their own, and a lane's rate under v' still decides as the aggregate rate of all
+    lanes would (the others then pay their pass without it)."""
+    from specllama.controller.costs import shared_pass_costs
+
+    rng = np.random.default_rng(5)
+    v = np.concatenate(([0.0], 0.1 + np.cumsum(rng.uniform(0.002, 0.05, 40))))
+    n_apart = 0
+    for _ in range(300):
+        n_lanes = int(rng.integers(2, 6))
+        n_other = n_lanes - 1 + int(rng.integers(0, 8))
+        n_cap = n_other + 1 + int(rng.integers(0, 6))  # the lane's plain row always fits
+        k, a, c_d = int(rng.integers(1, 8)), float(rng.uniform(0.2, 0.95)), float(rng.uniform(0.005, 0.06))
+        w = shared_pass_costs(v, n_other, n_lanes, 8, n_cap)
+        gain = sum(a ** m for m in range(1, k + 1))
+        own = (1 + gain) / (k * c_d + w[k + 1]) > 1 / w[1]
+        t_plain = v[n_other + 1]
+        if n_other + k + 1 <= n_cap:
+            t_drafted = v[n_other + 1 + k]
+        else:  # the others' pass, then the lane's own
+            t_drafted, n_apart = v[n_other] + v[k + 1], n_apart + 1
+        together = (n_lanes + gain) / (k * c_d + t_drafted) > n_lanes / t_plain
+        assert own == together
+    assert n_apart > 50
+
+
+def test_a_lane_s_chain_stops_where_the_pass_has_room():
+    """Two lanes, the other's 8 rows in the pass, a cap of 17 rows (F16 at the default level on
+    our CPU): a lane whose confident draft is accepted keeps drafting to 16 tokens where the
+    cap is not priced, so the two lanes' passes are decoded apart; priced, it stops at the 9
+    rows that still ride with the other lane's."""
+    v = (0.080, 0.130, 0.143, 0.146, 0.166, 0.190, 0.210, 0.230, *(0.230 + 0.019 * (n - 8) for n in range(9, 30)))
+    costs = Costs(verify=v, draft_token=0.025)
+    n_chain = {}
+    for n_cap in (None, 17):
+        clock = Clock()
+        policy = Controller(OnlineCosts(costs, frozen=True), 16, has_draft=True, lookup=False, clock=clock,
+                            n_tokens=4096)
+        for _ in range(40):
+            policy.observe(RoundOutcome("draft", Proposal([1] * 4), [1] * 5, 0.2, True, DraftReport([0.97] * 4),
+                                        n_verify=13, n_other=8, n_lanes=2, n_cap=n_cap))
+        assert policy.plan(16, 0, 0) == ("draft", 16)
+        confidences = [0.97]
+        while policy.draft_more(confidences) == "more" and len(confidences) < 16:
+            clock.now += 0.025
+            confidences.append(0.97)
+        n_chain[n_cap] = len(confidences)
+    assert n_chain == {None: 16, 17: 8}
+
+
 # F16 at 3,000 tokens of KV on our 2-core AMD (a traced chat): one token 120 ms, 2: 196, 3: 217,
 # then ~22 ms a row; the 0.5B draft 40 ms a token. Drafting breaks even at about 0.81.
 LONG_F16_CPU = Costs(verify=(0.120, 0.196, 0.217, *(0.241 + 0.022 * (n - 4) for n in range(4, 18))),

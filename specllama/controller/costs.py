@@ -183,18 +183,29 @@ def draft_can_pay(costs: OnlineCosts, k_max: int) -> bool:
     return k_max > 0 and bool(np.max((ks + 1) / (ks * costs.draft_token + v[ks + 1])) > 1.0 / v[1])
 
 
-def shared_pass_costs(v: np.ndarray, n_other: int, n_lanes: int, n_max: int) -> np.ndarray:
+def shared_pass_costs(v: np.ndarray, n_other: int, n_lanes: int, n_max: int,
+                      n_cap: Optional[int] = None) -> np.ndarray:
     """[0, v'(1), ..., v'(n_max)]: what n rows of one lane cost the requests together when its
     rows ride in a pass with n_other rows of n_lanes - 1 other lanes (v: the pass costs, up to
     at least n_other + n_max rows). v'(1) is the lane's share of a plain pass, v(n_other + 1) /
     n_lanes; each further row costs what it adds to the pass. A lane that maximises its own
     tokens per second under v' drafts exactly where the drafts raise all lanes' tokens per
-    second together: drafts pay only while the rows they add are cheap beside the pass."""
+    second together: drafts pay only while the rows they add are cheap beside the pass.
+
+    n_cap: the most rows the pass may hold (the fidelity level's limit). Rows past its room
+    cannot ride with the others' (SharedContext decodes them in a pass of their own): they
+    cost the lane's own pass, v(n), and what the others lose of the shared pass, v(n_other)
+    less their share of it. Priced as if they shared, two lanes drafting long chains each
+    fill the pass alone, and at two requests the lanes ran slower than one at a time."""
     if n_lanes <= 1 or n_other <= 0:
         return v[:n_max + 1]
     n = np.arange(1, n_max + 1)
     base = v[n_other + 1]
-    return np.concatenate(([0.0], base / n_lanes + v[n_other + n] - base))
+    shared = base / n_lanes + v[n_other + n] - base
+    if n_cap is not None:
+        apart = v[n] + v[n_other] - base * (1.0 - 1.0 / n_lanes)
+        shared = np.where(n_other + n <= n_cap, shared, apart)
+    return np.concatenate(([0.0], shared))
 
 
 def planning_load(n_other: int, n_lanes: int, n_active: int) -> tuple[int, int]:

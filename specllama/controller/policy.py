@@ -305,7 +305,7 @@ class Controller:
         self._load = (outcome.n_other, outcome.n_lanes)
         n_rows = self.limit + TREE_ROWS
         self._v = shared_pass_costs(self.costs.table(n_rows + outcome.n_other), outcome.n_other, outcome.n_lanes,
-                                    n_rows)
+                                    n_rows, outcome.n_cap)
         self._c_d = self.costs.draft_token
 
     def _pay_for_trying(self, outcome: RoundOutcome) -> None:
