@@ -20,6 +20,7 @@ import numpy as np
 from ..errors import ContextFullError, DecodeError
 from . import session
 from .batches import chunk_bounds
+from .decoder import llama_decode
 from .ggml import MemoryUse
 from .handles import Batch, Handle
 from .memory import memory_of
@@ -212,7 +213,7 @@ class Runtime(Vocab, TreeDecoding):
         """llama_decode the filled batch (a lane: through its shared context, maybe beside other
         lanes' rows, which keeps copies of this batch's rows)."""
         if self._lane is None:
-            self._check(llama_cpp.llama_decode(self._ctx.ptr, self._batch.c), pos, n_tokens)
+            self._check(llama_decode(self._ctx.ptr, self._batch.c), pos, n_tokens)
             self.n_batch_rows, self.n_batch_lanes, self.t_waited = n_tokens, 1, 0.0
             return
         job = self._lane.shared.decode(self._batch, self.batch_cap)

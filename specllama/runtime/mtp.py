@@ -11,6 +11,7 @@ import llama_cpp
 import numpy as np
 
 from ..errors import ContextFullError, DecodeError, InvalidParameterError
+from .decoder import llama_decode
 from .ggml import MemoryUse
 from .handles import Handle, new_context
 from .settings import ModelSettings
@@ -112,7 +113,7 @@ class MtpHead:
                 c.logits[i] = logits and start + i == len(tokens) - 1
                 self._embd[i] = 0.0 if h is None else h
             c.n_tokens = len(chunk)
-            status = llama_cpp.llama_decode(self._ctx.ptr, c)
+            status = llama_decode(self._ctx.ptr, c)
             if status != 0:
                 llama_cpp.llama_memory_seq_rm(self._mem, 0, self.n_cached, -1)
                 if status == 1:

@@ -29,6 +29,7 @@ import llama_cpp
 import numpy as np
 
 from ..errors import DecodeError
+from .decoder import llama_decode
 from .handles import Batch, Handle, new_context
 
 Item = tuple[int, int, tuple[int, ...], bool]
@@ -231,7 +232,7 @@ class SharedContext:
             offset += len(job.items)
         self._batch.c.n_tokens = offset
         t0 = time.perf_counter()
-        status = int(llama_cpp.llama_decode(self._ctx.ptr, self._batch.c))
+        status = llama_decode(self._ctx.ptr, self._batch.c)
         seconds = time.perf_counter() - t0
         self._t_pass = seconds
         self.n_passes += 1

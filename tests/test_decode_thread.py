@@ -1,0 +1,78 @@
+"""Every llama_decode on one OS thread (runtime/decoder.py): llama.cpp's OpenMP team belongs to
+the calling thread, and two requests' threads calling in turn stalled each other's graphs
+(benchmarks/test_concurrency.py, "spec, turns"). Real models, real llama.cpp; the thread's own
+rules on plain functions."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import llama_cpp
+import pytest
+
+import specllama
+from conftest import SETTINGS
+from specllama.runtime.decoder import DecodeThread
+
+
+def test_every_llama_decode_runs_on_one_thread_whichever_request_asks(tiny_paths, monkeypatch):
+    """Two requests at once in slots of their own, then one on this thread: llama.cpp is
+    called from one thread, none of theirs, and each output is still the one it has alone."""
+    real, callers = llama_cpp.llama_decode, set()
+
+    def recorded(ctx, batch):
+        callers.add(threading.get_ident())
+        return real(ctx, batch)
+
+    with specllama.load(tiny_paths["attention-draft"], n_parallel=2, **SETTINGS) as llm:
+        prompts = ["Hello there", "Once upon a time"]
+        alone = [llm.generate(p, max_tokens=12).tokens for p in prompts]
+        monkeypatch.setattr(llama_cpp, "llama_decode", recorded)
+        requesters, start = set(), threading.Barrier(2)
+
+        def ask(prompt):
+            requesters.add(threading.get_ident())
+            start.wait()
+            return llm.generate(prompt, max_tokens=12)
+
+        with ThreadPoolExecutor(2) as pool:
+            together = list(pool.map(ask, prompts))
+        llm.generate(prompts[0], max_tokens=4)
+    assert [r.tokens for r in together] == alone
+    assert len(callers) == 1, callers
+    assert not callers & (requesters | {threading.get_ident()})
+
+
+def test_an_interrupt_is_raised_once_the_call_has_returned():
+    """Ctrl-C while a call runs on the decode thread: the caller raises KeyboardInterrupt only
+    after the call is done, as with the C call made in place (its rollback must not touch a
+    context llama.cpp is still computing in)."""
+    decoder, state = DecodeThread(), {}
+
+    def slow():
+        time.sleep(0.4)
+        state["done"] = time.perf_counter()
+        return 7
+
+    timer = threading.Timer(0.1, os.kill, (os.getpid(), signal.SIGINT))
+    timer.start()
+    with pytest.raises(KeyboardInterrupt):
+        try:
+            decoder.run(slow)
+        finally:
+            state["raised"] = time.perf_counter()
+    timer.join()
+    assert state["done"] <= state["raised"]
+    assert decoder.run(lambda: 3) == 3  # and it keeps working
+
+
+def test_a_call_s_error_is_raised_in_its_caller_and_the_thread_goes_on():
+    decoder = DecodeThread()
+    with pytest.raises(ValueError, match="bad batch"):
+        decoder.run(lambda: (_ for _ in ()).throw(ValueError("bad batch")))
+    idents = {decoder.run(threading.get_ident) for _ in range(3)}
+    assert len(idents) == 1 and threading.get_ident() not in idents
