@@ -195,6 +195,21 @@ def test_hybrid_and_mtp_targets_decode_apart_and_say_why(tiny_paths, caplog):
     assert "requests do not share passes: the target's MTP layers follow one target context" in caplog.text
 
 
+def test_lanes_without_flash_attention_say_what_they_cost(tiny_paths, caplog):
+    """Without flash attention llama.cpp's attention reads every cell up to the highest in use,
+    other lanes' too (the draft's step twice as slow beside three long histories): loading lanes
+    so says, once, and names the setting."""
+    import logging
+
+    for flash_attn, n_warned in ((False, 1), (None, 0)):
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="specllama"):
+            with specllama.load(tiny_paths["attention-draft"], batch_requests=True, n_parallel=2,
+                                flash_attn=flash_attn, **SETTINGS) as llm:
+                assert llm.sharing is not None
+        assert caplog.text.count("lanes with flash_attn=False") == n_warned
+
+
 def test_served_with_batch_requests_a_leaving_client_leaves_the_other_unchanged(model_paths, tmp_path):
     """`serve --batch-requests`: two streamed chats at once share passes (/health counts them);
     one client leaving mid-stream leaves the other's text as it is alone; the server goes on."""
