@@ -5,9 +5,9 @@ team of threads that belongs to the thread calling llama_decode; after a graph t
 workers spin for a while before they sleep. Requests in threads of their own, calling in
 turn, each wake a team of their own while the last caller's workers still spin on the cores
 the new team needs, and every barrier of its graph stalls. Measured on our 2-core CPU, two
-requests taking turns (F16 1.5B target, 0.5B draft, /tmp-style trace of every llama_decode):
-the draft's one-token step took 34-40 ms against 22-28 ms with one caller, and the pair ran
-at 0.75x one request after another; with every call made here, 21-23 ms and 0.9-1.1x.
+chat requests taking turns (F16 1.5B target, 0.5B draft, every llama_decode timed): the
+draft's one-token step took 34-40 ms against 22-28 ms with one caller, and the pair ran at
+0.75x one request after another; with every call made here, 21-23 ms and 0.92-1.05x.
 
 The caller waits for its call as it would for the C call itself: a KeyboardInterrupt that
 arrives meanwhile is raised once the call has returned, so nothing touches a context that
