@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import os
 import threading
-from collections import deque
 from collections.abc import Callable
 from typing import Any, Optional
 
@@ -39,8 +38,9 @@ class DecodeThread:
     """One daemon thread that makes the calls it is given, one at a time, in arrival order."""
 
     def __init__(self) -> None:
-        self._cv = threading.Condition()
-        self._calls: deque[_Call] = deque()
+        self._lock = threading.Lock()
+        self._cv = threading.Condition(self._lock)
+        self._calls: list[_Call] = []
         self._ident: Optional[int] = None
         self._pid: Optional[int] = None  # a forked child has no thread: it starts its own
 
@@ -78,7 +78,7 @@ class DecodeThread:
             with self._cv:
                 while not self._calls:
                     self._cv.wait()
-                call = self._calls.popleft()
+                call = self._calls.pop(0)
             try:
                 call.result = call.fn(*call.args)
             except BaseException as e:  # handed to the caller
