@@ -28,7 +28,7 @@ from .prompt_cache import Budget, PromptCache
 from .runtime.ggml import resident_bytes
 from .runtime.protocols import Drafter, Model
 from .sampling import SamplingSettings
-from .sharing import Sharing, why_not_shared
+from .sharing import Sharing, open_sharing, why_not_shared
 from .slots import Pool, Slot, Slots, why_single
 from .stats import Stats
 from .streams import Chunk, Result, Stream
@@ -54,7 +54,8 @@ class SpecLlama(LlamaApi, BatchApi):
     def __init__(self, target: Model, draft: Optional[Drafter] = None, *, n_draft: Union[int, str] = "auto",
                  exact: Union[str, float, bool] = "rounding", lookup: Optional[bool] = None,
                  prompt_cache_mb: float = PROMPT_CACHE_MB, tree: Union[int, str, bool] = "auto",
-                 idle_work: Optional[bool] = None, n_parallel: int = N_PARALLEL, batch_requests: bool = False):
+                 idle_work: Optional[bool] = None, n_parallel: int = N_PARALLEL,
+                 batch_requests: Union[bool, str] = False):
         self.target, self.draft = target, draft
         self.n_draft = check_n_draft(n_draft)
         self.tree = self._check_tree(tree)
@@ -88,16 +89,18 @@ class SpecLlama(LlamaApi, BatchApi):
         self.batch_diffs, self.reuse_diffs = self.planner.batch_diffs, self.planner.reuse_diffs
         if self.speculates or batch_requests:
             with self._models, PROCESS.busy():
-                self.planner.measure_short((self.level,), batching=batch_requests)
+                self.planner.measure_short((self.level,), batching=bool(batch_requests))
                 if self.speculates:
                     self.planner.check_cached_costs()
         self.sharing: Optional[Sharing] = None  # requests' rows in shared passes (sharing.py)
-        why = (slots.note or why_not_shared(target, draft, slots.n_max)) if batch_requests else ""
-        if why:
-            log.info("%s: requests do not share passes: %s", target.name, why)
-        elif batch_requests:
+        # why requests do not share passes ("" where they do, or were not asked to)
+        self.sharing_note = (slots.note or why_not_shared(target, draft, slots.n_max)) if batch_requests else ""
+        if batch_requests and not self.sharing_note:
             with self._models, PROCESS.busy():
-                self.sharing = Sharing(slots.first, slots.n_max, self.prompt_cache_budget, self.pool)
+                self.sharing, self.sharing_note = open_sharing(slots.first, slots.n_max, self.prompt_cache_budget,
+                                                               self.pool, self.level, batch_requests)
+        if self.sharing_note:
+            log.info("%s: requests do not share passes: %s", target.name, self.sharing_note)
 
     @property
     def speculates(self) -> bool:

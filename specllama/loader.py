@@ -16,11 +16,12 @@ from .errors import InvalidParameterError
 from .fidelity import parse_level
 from .limits import TREE_BRANCHES
 from .options import check_n_draft
-from .plan import check as check_plan, make_plan
+from .plan import MemoryPlan, check as check_plan, make_plan, plan_lanes
 from .runtime import ModelSettings
 from .runtime.ggml import supports_gpu_offload
 from .runtime.loading import open_runtime
 from .runtime.remote import RemoteRuntime
+from .sharing import AUTO
 
 log = logging.getLogger("specllama")
 
@@ -33,7 +34,7 @@ def load(target: Any, draft: Any = None, *, n_draft: Union[int, str] = "auto",
          exact: Union[str, float, bool] = "rounding",
          lookup: Optional[bool] = None, check_memory: bool = True, prompt_cache_mb: float = PROMPT_CACHE_MB,
          tree: Union[int, str, bool] = "auto", idle_work: Optional[bool] = None, n_parallel: int = N_PARALLEL,
-         batch_requests: bool = False, **model_settings: Any) -> SpecLlama:
+         batch_requests: Union[bool, str] = False, **model_settings: Any) -> SpecLlama:
     """Load a target model and an optional draft of the same family.
 
     Args:
@@ -67,7 +68,10 @@ def load(target: Any, draft: Any = None, *, n_draft: Union[int, str] = "auto",
         batch_requests: also make one target context of n_parallel lanes, where requests at
             a level that allows it (not bitwise, not seeded) decode side by side with their
             rows in one llama_decode per round (sharing.py); n_parallel x n_ctx KV cells, and
-            a probe of a few seconds at the first load (cached).
+            a probe of a few seconds at the first load (cached). "auto" (`specllama serve`'s
+            default): only where requests at this load's level can use them (the difference a
+            lane's rows carry is within its bound) and memory allows; else requests take turns
+            and the log and /health say why.
         exact: the fidelity level: "bitwise", "rounding" (default), "off", a bound in logits,
             or True/False for "bitwise"/"off" (see fidelity.py).
         **model_settings: ModelSettings' fields for both models (n_ctx, n_batch, n_threads,
@@ -90,8 +94,8 @@ def load(target: Any, draft: Any = None, *, n_draft: Union[int, str] = "auto",
     parse_level(exact)
     check_cache_mb(prompt_cache_mb)
     check_n_parallel(n_parallel)
-    if not isinstance(batch_requests, bool):
-        raise InvalidParameterError("batch_requests", batch_requests, "True or False")
+    if not isinstance(batch_requests, bool) and batch_requests != AUTO:
+        raise InvalidParameterError("batch_requests", batch_requests, 'True, False or "auto"')
     if draft == "ngram":
         draft, lookup = None, True
     target_settings, draft_settings = ModelSettings(**target_kw), ModelSettings(**draft_kw)
@@ -114,12 +118,18 @@ def load(target: Any, draft: Any = None, *, n_draft: Union[int, str] = "auto",
         target_host = _rpc_host(target_settings, opened)
         draft_host = _rpc_host(draft_settings, opened) if draft is not None else None
         if check_memory and _is_ref(target) and (draft is None or _is_ref(draft)):
-            memory = make_plan(Path(target), Path(draft) if draft not in (None, MTP) else None, target_settings,
-                               draft_settings, gpu_offload=supports_gpu_offload(),
-                               target_devices=target_host.devices if target_host else None,
-                               draft_devices=draft_host.devices if draft_host else None,
-                               prompt_cache=check_cache_mb(prompt_cache_mb),
-                               n_lanes=n_parallel if batch_requests else 0)
+            def plan(n_lanes: int) -> MemoryPlan:
+                return make_plan(Path(target), Path(draft) if draft not in (None, MTP) else None, target_settings,
+                                 draft_settings, gpu_offload=supports_gpu_offload(),
+                                 target_devices=target_host.devices if target_host else None,
+                                 draft_devices=draft_host.devices if draft_host else None,
+                                 prompt_cache=check_cache_mb(prompt_cache_mb), n_lanes=n_lanes)
+
+            memory, n_lanes = plan_lanes(plan, n_parallel if batch_requests else 0, required=batch_requests is True)
+            if batch_requests == AUTO and not n_lanes:
+                log.info("requests take turns in contexts of their own: lanes for %d requests do not fit in the "
+                         "memory free now", n_parallel)
+                batch_requests = False
             check_plan(memory, target_settings.n_ctx)
         mtp = draft == MTP
         if mtp and (target_host is not None or not _is_ref(target)):

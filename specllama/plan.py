@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 import re
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
@@ -291,6 +292,15 @@ def _target_layers_that_fit(plan: MemoryPlan) -> int:
     t = plan.target
     per_layer = (t.weights_gpu + t.kv_gpu) / max(1, t.n_offloaded)
     return max(0, t.n_offloaded - math.ceil(plan.gpu_short / per_layer)) if per_layer else 0
+
+
+def plan_lanes(plan: Callable[[int], MemoryPlan], n_lanes: int, required: bool) -> tuple[MemoryPlan, int]:
+    """The memory plan with n_lanes of shared contexts (batch_requests) and the lanes it holds:
+    where lanes are not required and do not fit, the plan without them (0 lanes)."""
+    with_lanes = plan(n_lanes)
+    if required or not n_lanes or with_lanes.fits:
+        return with_lanes, n_lanes
+    return plan(0), 0
 
 
 def check(plan: MemoryPlan, n_ctx: int) -> None:

@@ -11,20 +11,27 @@ What a lane's rows carry: other lanes' cells between its own change llama.cpp's 
 so a lane's rows differ from a context of its own even decoded alone. That difference is
 measured once per model file, settings and build (measure_apart_diff, a few seconds, at load),
 and a lane's near-ties are judged with it on every row, plain rounds included.
+
+batch_requests="auto" (the server's default) makes lanes only where requests at the load's level
+can use them: the Q4_K_M test target's lane rows differ by 0.42 logits on our CPU, over the
+rounding bound, so its requests take turns in contexts of their own and no lane memory is held.
 """
 
 from __future__ import annotations
 
 import logging
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
-from .calibrate import measure_apart_diff
+from . import records
+from .calibrate import apart_key, measure_apart_diff
 from .fidelity import Level
 from .prompt_cache import Budget, PromptCache
 from .runtime.protocols import Drafter, Model
 from .slots import Pool, Slot, Slots
 
 log = logging.getLogger("specllama")
+
+AUTO = "auto"  # batch_requests: lanes where the load's level allows what their rows carry
 
 
 def why_not_shared(target: Model, draft: Optional[Drafter], n_parallel: int) -> str:
@@ -39,6 +46,28 @@ def why_not_shared(target: Model, draft: Optional[Drafter], n_parallel: int) -> 
                               or getattr(draft, "memory", "attention") != "attention"):
         return "the draft cannot have a lane per request (MTP layers, a recurrent memory, or RPC workers)"
     return ""
+
+
+def open_sharing(first: Slot, n_lanes: int, budget: Budget, pool: Pool, level: Level,
+                 mode: Union[bool, str]) -> tuple[Optional["Sharing"], str]:
+    """The lanes load() asked for (mode True), or with mode "auto" the lanes requests at level
+    can use: none where the difference a lane's rows carry, cached or measured now, is over
+    level's bound. (the lanes or None, why there are none)."""
+    if mode == AUTO:
+        record = records.read(apart_key(first.target, n_lanes))
+        if record is not None and float(record["diff"]) > level.bound:
+            return None, _over(float(record["diff"]), level)
+    sharing = Sharing(first, n_lanes, budget, pool)
+    if mode == AUTO and sharing.diff > level.bound:
+        sharing.close()
+        pool.lanes = None
+        return None, _over(sharing.diff, level)
+    return sharing, ""
+
+
+def _over(diff: float, level: Level) -> str:
+    return (f"a lane's rows differ from a context of its own by {diff:.3g} logits, over the {level} level's bound "
+            f"({level.bound:g}); batch_requests=True (--batch-requests) makes lanes for requests at a looser level")
 
 
 class Sharing:

@@ -177,6 +177,36 @@ def test_batch_requests_is_checked(model_paths):
         specllama.load(model_paths["target"], batch_requests="yes", **SETTINGS)
 
 
+def test_auto_makes_lanes_only_where_the_load_s_level_allows_them(model_paths, lanes, monkeypatch):
+    """batch_requests="auto" (serve's default): the Q4_K_M target's lane rows differ by about 0.4
+    logits here (the lanes fixture measured and cached it), so at the rounding level no lanes are
+    made, no lane memory is taken, and the note says why; at a bound that allows it they are."""
+    from specllama.runtime import shared
+
+    made = []
+    init = shared.SharedContext.__init__
+    monkeypatch.setattr(shared.SharedContext, "__init__", lambda self, *a, **k: made.append(1) or init(self, *a, **k))
+    with specllama.load(model_paths["target"], n_parallel=4, batch_requests="auto", **SETTINGS) as llm:
+        assert llm.sharing is None and llm.pool.lanes is None and not made  # the cached difference decided
+        assert "over the rounding level's bound" in llm.sharing_note
+        assert [len(r.tokens) for r in at_once(llm, ["Hello there", "Once upon a time"], max_tokens=6)] == [6, 6]
+    with specllama.load(model_paths["target"], n_parallel=4, batch_requests="auto", exact=BOUND, **SETTINGS) as llm:
+        assert llm.sharing is not None and llm.sharing_note == "" and made
+
+
+def test_auto_lanes_give_way_where_memory_is_short():
+    """Lanes that do not fit are dropped with "auto" (the plan without them), kept with True (the
+    plan then fails with its ways out)."""
+    from specllama.plan import plan_lanes
+
+    plans = {0: SimpleNamespace(fits=True), 4: SimpleNamespace(fits=False)}
+    assert plan_lanes(plans.__getitem__, 4, required=False) == (plans[0], 0)
+    assert plan_lanes(plans.__getitem__, 4, required=True) == (plans[4], 4)
+    plans[4].fits = True
+    assert plan_lanes(plans.__getitem__, 4, required=False) == (plans[4], 4)
+    assert plan_lanes(plans.__getitem__, 0, required=False) == (plans[0], 0)
+
+
 def test_hybrid_and_mtp_targets_decode_apart_and_say_why(tiny_paths, caplog):
     """A hybrid target's recurrent state rolls back per context, and MTP layers follow one
     target context: with batch_requests they keep contexts of their own, and the log says why."""
@@ -210,9 +240,10 @@ def test_lanes_without_flash_attention_say_what_they_cost(tiny_paths, caplog):
         assert caplog.text.count("lanes with flash_attn=False") == n_warned
 
 
-def test_served_with_batch_requests_a_leaving_client_leaves_the_other_unchanged(model_paths, tmp_path):
-    """`serve --batch-requests`: two streamed chats at once share passes (/health counts them);
-    one client leaving mid-stream leaves the other's text as it is alone; the server goes on."""
+def test_served_by_default_with_lanes_a_leaving_client_leaves_the_other_unchanged(model_paths, tmp_path):
+    """`serve` at a level that allows a lane's difference makes lanes by default: two streamed
+    chats at once share passes (/health counts them); one client leaving mid-stream leaves the
+    other's text as it is alone; the server goes on."""
     import httpx
     import openai
 
@@ -220,7 +251,7 @@ def test_served_with_batch_requests_a_leaving_client_leaves_the_other_unchanged(
     from test_concurrency import _stream_text, leave_beside
 
     with serve(model_paths["target"], tmp_path / "serve.log", "--draft", str(model_paths["draft"]),
-               "--batch-requests", "--exact", str(BOUND), "--api-key", "k") as (base, _):
+               "--exact", str(BOUND), "--api-key", "k") as (base, _):
         client = openai.OpenAI(base_url=f"{base}/v1", api_key="k", max_retries=0, timeout=300)
         asks = ["Count from one to thirty in words.", "Write a haiku about autumn rain."]
         alone = _stream_text(client, asks[1], 48)

@@ -40,7 +40,11 @@ def test_health_says_loading_then_ok(server):
     assert 503 in seen, seen  # asked while the model was still loading
     health = httpx.get(f"{base}/health").json()  # no key needed
     assert health["status"] == "ok" and health["slots"] == 4
-    assert set(health) == {"status", "slots", "requests_active", "requests_queued"}
+    assert set(health) == {"status", "slots", "requests_active", "requests_queued", "batch_requests"}
+    # serve batches requests by default where the level allows what a lane's rows carry: the Q4_K_M
+    # target's lanes differ by about 0.4 logits here, over the rounding bound, so its requests take turns
+    assert health["batch_requests"]["n_lanes"] == 0, health
+    assert "over the rounding level's bound" in health["batch_requests"]["why"], health
 
 
 def test_models_lists_the_target(client):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import statistics
 import sys
-from typing import Any
+from typing import Any, Optional
 
 import click
 
@@ -26,10 +26,11 @@ from .run import first_use
 @click.option("--parallel", "-np", "n_parallel", type=click.IntRange(1, 64), default=1, show_default=True,
               help="Also run this many requests at once (the prompts in turn) against one at a time, as a "
                    "server with --parallel N would.")
-@click.option("--batch-requests", is_flag=True, help="With --parallel: rows of a round in one pass (as serve's).")
+@click.option("--batch-requests/--no-batch-requests", default=None,
+              help="With --parallel: rows of a round in one pass, or not (default: as serve decides).")
 @click.option("--json", "as_json", is_flag=True)
 def bench_cmd(choice: ModelChoice, prompts_file: str, max_tokens: int, repeats: int, raw: bool, n_parallel: int,
-              batch_requests: bool, as_json: bool) -> None:
+              batch_requests: Optional[bool], as_json: bool) -> None:
     """Run your own prompts plain vs speculative (auto and fixed lengths) and recommend settings.
 
     Each configuration runs --repeats times, the order rotating from one repeat to the next; a
@@ -38,7 +39,7 @@ def bench_cmd(choice: ModelChoice, prompts_file: str, max_tokens: int, repeats: 
     --parallel N, N requests then run at once and one after another, alternating: the aggregate
     tokens per second and each request's wait for its first token."""
     prompts = _read(prompts_file)
-    with choice.open(n_parallel=n_parallel, batch_requests=batch_requests) as llm:
+    with choice.open(n_parallel=n_parallel, batch_requests="auto" if batch_requests is None else batch_requests) as llm:
         first_use(llm)
         configs: list[Any] = [0, "auto"] + ([2, 4, 8] if llm.speculates else [])
         use_chat = not raw and llm.target.chat_template() is not None

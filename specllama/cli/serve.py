@@ -23,13 +23,15 @@ from .options import ModelChoice, model_options
 @click.option("--cors-origins", default="", envvar="SPECLLAMA_CORS_ORIGINS",
               help="Comma-separated origins browser apps may call from, or * for any (default: none).")
 @click.option("--parallel", "-np", "n_parallel", type=click.IntRange(1, 64), default=4, show_default=True,
-              help="Requests generating at once, each in contexts of its own (made when first needed; the "
-                   "weights are shared); their rounds take turns. Others wait in arrival order.")
-@click.option("--batch-requests", is_flag=True,
-              help="Decode the requests' rows of a round in one pass where their fidelity level allows (a "
-                   "target context of N lanes; bitwise and seeded requests keep contexts of their own).")
+              help="Requests generating at once. Others wait in arrival order.")
+@click.option("--batch-requests/--no-batch-requests", default=None,
+              help="Decode the requests' rows of a round in one pass (a target and a draft context of N lanes, "
+                   "N x --ctx KV cells; bitwise and seeded requests keep contexts of their own). Default: where "
+                   "the difference a lane's rows carry (measured at the first load) is within the --exact "
+                   "level's bound and memory allows; otherwise, and with --no-batch-requests, each request "
+                   "decodes in contexts of its own (made when first needed) and their rounds take turns.")
 def serve_cmd(choice: ModelChoice, host: str, port: int, api_key: Optional[str], model_id: Optional[str],
-              strict_model: bool, cors_origins: str, n_parallel: int, batch_requests: bool) -> None:
+              strict_model: bool, cors_origins: str, n_parallel: int, batch_requests: Optional[bool]) -> None:
     """Serve MODEL over OpenAI-compatible APIs (/v1/chat/completions, /v1/completions)."""
     setup_logging(choice.verbose)
     try:
@@ -47,7 +49,8 @@ def serve_cmd(choice: ModelChoice, host: str, port: int, api_key: Optional[str],
     click.echo(f"serving {name} on http://{host}:{port}/v1 (loading the model; /health says when it is ready)",
                err=True)
     origins = [o.strip() for o in cors_origins.split(",") if o.strip()]
-    app = create_app(lambda: choice.open(n_parallel=n_parallel, batch_requests=batch_requests), name, api_key,
+    share = "auto" if batch_requests is None else batch_requests
+    app = create_app(lambda: choice.open(n_parallel=n_parallel, batch_requests=share), name, api_key,
                      cors_origins=origins, strict_model=strict_model, n_parallel=n_parallel)
     server = _server(uvicorn.Config(app, host=host, port=port, log_level="info" if choice.verbose else "warning"))
     server.run()

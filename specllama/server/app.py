@@ -218,9 +218,10 @@ def _shared_routes(app: FastAPI, server: Server) -> None:
         if server.llm is None:
             return JSONResponse({"status": "error" if server.error else "loading"}, status_code=503)
         sharing = getattr(server.llm, "sharing", None)  # rows of requests in one pass (--batch-requests)
+        note = getattr(server.llm, "sharing_note", "")  # why they do not
+        shared = sharing.as_dict() if sharing is not None else {"n_lanes": 0, "why": note} if note else None
         return JSONResponse({"status": "ok", "slots": server.n_parallel, "requests_active": server.n_active,
-                             "requests_queued": server.n_queued,
-                             **({"batch_requests": sharing.as_dict()} if sharing is not None else {})})
+                             "requests_queued": server.n_queued, **({"batch_requests": shared} if shared else {})})
 
     @app.api_route("/", methods=["GET", "HEAD"])
     async def root() -> JSONResponse:
