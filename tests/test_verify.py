@@ -19,12 +19,20 @@ def chi2_critical(df: int, z: float = 3.719) -> float:
     return df * (1.0 - a + z * math.sqrt(a)) ** 3
 
 
-def chi2_stat(counts: np.ndarray, p: np.ndarray) -> tuple[float, int]:
+def chi2_stat(counts: np.ndarray, p: np.ndarray, min_expected: float = 5.0) -> tuple[float, int]:
+    """Pearson's statistic and its degrees of freedom. Tokens expected fewer than min_expected
+    times are pooled into one bin: below that the chi-square approximation does not hold, and a
+    rare token drawn 5 times where 1 was expected alone would add 16 (a false alarm at 1e-4)."""
     expected = p * counts.sum()
     support = expected > 0
     assert counts[~support].sum() == 0, f"drew tokens outside p's support: {np.flatnonzero(counts * ~support)}"
-    stat = float(((counts[support] - expected[support]) ** 2 / expected[support]).sum())
-    return stat, int(support.sum()) - 1
+    rare = support & (expected < min_expected)
+    observed = np.append(counts[support & ~rare], counts[rare].sum())
+    expected = np.append(expected[support & ~rare], expected[rare].sum())
+    if expected[-1] == 0:  # nothing rare
+        observed, expected = observed[:-1], expected[:-1]
+    stat = float(((observed - expected) ** 2 / expected).sum())
+    return stat, len(expected) - 1
 
 
 def first_token_counts(p: np.ndarray, q: np.ndarray, n_draws: int, seed: int) -> tuple[np.ndarray, int]:
