@@ -3,7 +3,7 @@
     .venv/bin/python -m pytest benchmarks/test_concurrency.py -s
     SPECLLAMA_BENCH_TARGETS=q4,f16 .venv/bin/python -m pytest benchmarks/test_concurrency.py -s
 
-1, 2 and 4 streamed chat requests sent at the same moment (code, an edit, prose and a title
+1, 2, 4 and 8 streamed chat requests sent at the same moment (SPECLLAMA_BENCH_COUNTS) (code, an edit, prose and a title
 request, in turn), greedy, 2 threads, in one process, against the same requests:
   one at a time   single-slot behaviour with speculation (n_parallel=1, the draft): (a)
   spec, turns     n_parallel=N, the draft, each request in contexts of its own, rounds in turn
@@ -54,7 +54,7 @@ ASKS = ["Write a Python function that merges two sorted lists into one sorted li
         "Describe a lighthouse at dawn in a short paragraph.",
         "Give a four-word title for: merging sorted lists in Python"]
 N_TOKENS = 96  # the title and the edit end sooner, at their end of turn
-COUNTS = (1, 2, 4)
+COUNTS = tuple(int(n) for n in os.environ.get("SPECLLAMA_BENCH_COUNTS", "1,2,4,8").split(","))
 REPEATS = 2
 
 
