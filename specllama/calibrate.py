@@ -299,18 +299,22 @@ def probe_apart_diff(solo: Model, shared: Any, n_prompt: int = 160, n_steps: int
             runtime.discard(0)
 
 
+def cached_apart_diff(solo: Model, n_lanes: int) -> Optional[float]:
+    """The difference measure_apart_diff stored for these lanes, or None where not measured."""
+    record = records.read(apart_key(solo, n_lanes))
+    return None if record is None else float(record["diff"])
+
+
 def measure_apart_diff(solo: Model, shared: Any) -> float:
     """probe_apart_diff, stored under apart_key once per model file, settings, build and number
-    of lanes (read back when cached)."""
-    record = records.read(apart_key(solo, shared.n_lanes))
-    if record is None:
-        t0 = time.perf_counter()
-        diff = probe_apart_diff(solo, shared)
-        record = records.write(apart_key(solo, shared.n_lanes), {"diff": diff, "seconds": time.perf_counter() - t0},
-                               "probe at load")
-        log.info("%s: a lane's rows differ from a context of its own by %.3g logits (measured in %.1f s)",
-                 solo.name, diff, record["seconds"])
-    return float(record["diff"])
+    of lanes (callers read the cached one first: cached_apart_diff)."""
+    t0 = time.perf_counter()
+    diff = probe_apart_diff(solo, shared)
+    seconds = time.perf_counter() - t0
+    records.write(apart_key(solo, shared.n_lanes), {"diff": diff, "seconds": seconds}, "probe at load")
+    log.info("%s: a lane's rows differ from a context of its own by %.3g logits (measured in %.1f s)",
+             solo.name, diff, seconds)
+    return diff
 
 
 # --- costs ---------------------------------------------------------------------------------------

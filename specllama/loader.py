@@ -113,6 +113,7 @@ def load(target: Any, draft: Any = None, *, n_draft: Union[int, str] = "auto",
         for note in notes:
             log.info(note)
     opened: list[Any] = []  # what to close if loading fails part way
+    no_lanes = ""  # why "auto" made no lanes, where the memory plan decided
     try:
         # a model on RPC workers is hosted by a process of its own, which reports their memory
         target_host = _rpc_host(target_settings, opened)
@@ -127,8 +128,8 @@ def load(target: Any, draft: Any = None, *, n_draft: Union[int, str] = "auto",
 
             memory, n_lanes = plan_lanes(plan, n_parallel if batch_requests else 0, required=batch_requests is True)
             if batch_requests == AUTO and not n_lanes:
-                log.info("requests take turns in contexts of their own: lanes for %d requests do not fit in the "
-                         "memory free now", n_parallel)
+                no_lanes = f"lanes for {n_parallel} requests do not fit in the memory free now"
+                log.info("requests take turns in contexts of their own: %s", no_lanes)
                 batch_requests = False
             check_plan(memory, target_settings.n_ctx)
         mtp = draft == MTP
@@ -147,9 +148,11 @@ def load(target: Any, draft: Any = None, *, n_draft: Union[int, str] = "auto",
             elif draft is not None:
                 draft_rt = draft_host.load(draft) if draft_host else open_runtime(draft, draft_settings)
                 opened.append(draft_rt)
-        return SpecLlama(target_rt, draft_rt, n_draft=n_draft, exact=exact, lookup=lookup,
-                         prompt_cache_mb=prompt_cache_mb, tree=tree, idle_work=idle_work,
-                         n_parallel=n_parallel, batch_requests=batch_requests)
+        llm = SpecLlama(target_rt, draft_rt, n_draft=n_draft, exact=exact, lookup=lookup,
+                        prompt_cache_mb=prompt_cache_mb, tree=tree, idle_work=idle_work,
+                        n_parallel=n_parallel, batch_requests=batch_requests)
+        llm.sharing_note = llm.sharing_note or no_lanes  # what /health shows
+        return llm
     except BaseException:
         for handle in reversed(opened):
             handle.close()

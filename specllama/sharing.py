@@ -22,8 +22,7 @@ from __future__ import annotations
 import logging
 from typing import Any, Optional, Union
 
-from . import records
-from .calibrate import apart_key, measure_apart_diff
+from .calibrate import cached_apart_diff, measure_apart_diff
 from .fidelity import Level
 from .prompt_cache import Budget, PromptCache
 from .runtime.protocols import Drafter, Model
@@ -51,18 +50,25 @@ def why_not_shared(target: Model, draft: Optional[Drafter], n_parallel: int) -> 
 def open_sharing(first: Slot, n_lanes: int, budget: Budget, pool: Pool, level: Level,
                  mode: Union[bool, str]) -> tuple[Optional["Sharing"], str]:
     """The lanes load() asked for (mode True), or with mode "auto" the lanes requests at level
-    can use: none where the difference a lane's rows carry, cached or measured now, is over
-    level's bound. (the lanes or None, why there are none)."""
-    if mode == AUTO:
-        record = records.read(apart_key(first.target, n_lanes))
-        if record is not None and float(record["diff"]) > level.bound:
-            return None, _over(float(record["diff"]), level)
-    sharing = Sharing(first, n_lanes, budget, pool)
-    if mode == AUTO and sharing.diff > level.bound:
-        sharing.close()
-        pool.lanes = None
-        return None, _over(sharing.diff, level)
-    return sharing, ""
+    can use: none where the difference a lane's rows carry (cached, else measured on the target's
+    shared context before anything else is made) is over level's bound. (the lanes or None, why
+    there are none)."""
+    from .runtime.shared import SharedContext
+
+    diff = cached_apart_diff(first.target, n_lanes)
+    if mode == AUTO and diff is not None and diff > level.bound:
+        return None, _over(diff, level)
+    context = SharedContext(first.target, n_lanes)
+    try:
+        if diff is None:
+            diff = measure_apart_diff(first.target, context)
+        if mode == AUTO and diff > level.bound:
+            context.close()
+            return None, _over(diff, level)
+        return Sharing(first, context, diff, budget, pool), ""
+    except BaseException:
+        context.close()  # idempotent where Sharing closed it
+        raise
 
 
 def _over(diff: float, level: Level) -> str:
@@ -73,7 +79,7 @@ def _over(diff: float, level: Level) -> str:
 class Sharing:
     """The shared context, its lane slots, and the difference a lane's rows carry (diff)."""
 
-    def __init__(self, first: Slot, n_lanes: int, budget: Budget, pool: Pool):
+    def __init__(self, first: Slot, context: Any, diff: float, budget: Budget, pool: Pool):
         from .runtime.shared import SharedContext
 
         if getattr(first.target, "settings").flash_attn is False:  # a local Runtime (why_not_shared)
@@ -82,24 +88,19 @@ class Sharing:
             # the 0.5B draft's step 41.6 ms against 20.0 ms alone (21.1 against 19.5 ms with it on)
             log.warning("%s: lanes with flash_attn=False read every lane's cached cells at each step (up to "
                         "2x slower with long histories); leave flash_attn to llama.cpp (None)", first.target.name)
-        self.context = SharedContext(first.target, n_lanes)
-        try:
-            self.diff = measure_apart_diff(first.target, self.context)
-            # the draft's steps of all lanes in one pass too (what it proposes, never what is
-            # accepted, depends on its rows)
-            self.draft_context = SharedContext(first.draft, n_lanes) if first.draft is not None else None
-        except BaseException:
-            self.context.close()
-            raise
+        self.context, self.diff = context, diff
+        # the draft's steps of all lanes in one pass too (what it proposes, never what is accepted,
+        # depends on its rows)
+        self.draft_context = SharedContext(first.draft, context.n_lanes) if first.draft is not None else None
         target, draft = self.context.lane(0), self._draft_lane(0)
         lane0 = Slot(0, target, draft, PromptCache(target, budget, owner=first.target_cache),
                      None if draft is None or first.draft_cache is None
                      else PromptCache(draft, budget, owner=first.draft_cache), lane=True)
-        self.slots = Slots(lane0, n_lanes, budget, lane_of=self.context.lane,
+        self.slots = Slots(lane0, context.n_lanes, budget, lane_of=self.context.lane,
                            draft_lane_of=self._draft_lane if draft is not None else None)
-        for context in (self.context, self.draft_context):
-            if context is not None:
-                context.turn, context.n_active = pool.turn, lambda: self.slots.n_busy
+        for shared in (self.context, self.draft_context):
+            if shared is not None:
+                shared.turn, shared.n_active = pool.turn, lambda: self.slots.n_busy
         if self.draft_context is not None:
             self.draft_context.join(self.context)
         pool.lanes = self.slots

@@ -194,6 +194,30 @@ def test_auto_makes_lanes_only_where_the_load_s_level_allows_them(model_paths, l
         assert llm.sharing is not None and llm.sharing_note == "" and made
 
 
+def test_auto_measures_the_difference_before_it_makes_the_draft_s_lanes(model_paths, monkeypatch, tmp_path):
+    """Where the difference is not cached yet, "auto" measures it on the target's shared context
+    alone and, over the bound, makes nothing more: no draft shared context, no lane slots."""
+    from specllama.runtime import shared
+
+    monkeypatch.setenv("SPECLLAMA_HOME", str(tmp_path))  # nothing measured yet
+    made = []
+    init = shared.SharedContext.__init__
+    monkeypatch.setattr(shared.SharedContext, "__init__", lambda self, *a, **k: made.append(1) or init(self, *a, **k))
+    with specllama.load(model_paths["target"], model_paths["draft"], n_parallel=4, batch_requests="auto",
+                        idle_work=False, **SETTINGS) as llm:
+        assert llm.sharing is None and llm.pool.lanes is None and made == [1], made
+        assert "over the rounding level's bound" in llm.sharing_note
+
+
+def test_auto_says_when_memory_left_no_room_for_lanes(model_paths, monkeypatch):
+    """Where the memory plan drops the lanes, sharing_note (and so /health) says that, not ""."""
+    from specllama import loader
+
+    monkeypatch.setattr(loader, "plan_lanes", lambda plan, n_lanes, required: (plan(0), 0))
+    with specllama.load(model_paths["target"], n_parallel=4, batch_requests="auto", exact=BOUND, **SETTINGS) as llm:
+        assert llm.sharing is None and "do not fit in the memory free now" in llm.sharing_note
+
+
 def test_auto_lanes_give_way_where_memory_is_short():
     """Lanes that do not fit are dropped with "auto" (the plan without them), kept with True (the
     plan then fails with its ways out)."""
