@@ -6,6 +6,8 @@ import os
 import signal
 import sys
 import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -62,6 +64,18 @@ def plain(model_paths):
     run's, whatever the tests before it asked."""
     with specllama.load(model_paths["target"], exact="bitwise", **SETTINGS) as llm:
         yield llm
+
+
+@contextmanager
+def own_target(llm) -> Iterator:
+    """llm's target Runtime for a test's own decodes, held as a generation holds it: llm's idle
+    work (the plain fixture measures when idle) ends first and waits until the block ends.
+    Decoding on it without this raced that work on the same context: a probe's llama_decode
+    failed (status -1) and the test read logits of a context the probe had changed."""
+    from specllama.idle import PROCESS
+
+    with PROCESS.busy(), llm._models:
+        yield llm.target
 
 
 SERVER_KEY = "test-key-123"

@@ -13,6 +13,7 @@ import pytest
 from specllama import ConstraintError, InvalidParameterError
 from specllama.constraints import Constraint, Grammar, Penalties, check_logit_bias, grammar_source
 from specllama.sampling import SamplingSettings, distribution
+from conftest import own_target
 from test_verify import chi2_critical, chi2_stat
 
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"},
@@ -106,18 +107,18 @@ def test_constraint_state_follows_accept_and_rollback(plain):
 def plain_constrained(llm, tokens: list[int], n_max: int, constraint: Constraint) -> list[int]:
     """Greedy decoding on the target alone: prefill, then one token per decode, each chosen as
     argmax of its row after the constraint."""
-    target = llm.target
-    target.truncate(0)
-    target.sync(tokens)  # a fresh prefill, as every plain generation's
-    out: list[int] = []
-    while len(out) < n_max:
-        token = int(np.argmax(constraint.apply(target.logits(0))))
-        if target.is_eog(token):
-            break
-        constraint.accept(token)
-        out.append(token)
-        target.decode([token])
-    target.truncate(0)
+    with own_target(llm) as target:
+        target.truncate(0)
+        target.sync(tokens)  # a fresh prefill, as every plain generation's
+        out: list[int] = []
+        while len(out) < n_max:
+            token = int(np.argmax(constraint.apply(target.logits(0))))
+            if target.is_eog(token):
+                break
+            constraint.accept(token)
+            out.append(token)
+            target.decode([token])
+        target.truncate(0)
     return out
 
 
@@ -199,12 +200,12 @@ def test_sampling_under_a_grammar_has_the_constrained_target_distribution(pair, 
     second = [r.tokens[1] for r in runs if r.tokens[0] == mode and len(r.tokens) > 1]
     constraint = Constraint(grammar=_grammar(plain, grammar=grammar))
     constraint.accept(mode)
-    target = plain.target
-    target.truncate(0)
-    target.sync(prompt)
-    target.decode([mode])
-    p = distribution(constraint.apply(target.logits(0)), SamplingSettings(**settings))
-    target.truncate(0)
+    with own_target(plain) as target:
+        target.truncate(0)
+        target.sync(prompt)
+        target.decode([mode])
+        p = distribution(constraint.apply(target.logits(0)), SamplingSettings(**settings))
+        target.truncate(0)
     assert len(p.ids) >= 3, "the grammar leaves too few choices to test"
     outside = set(second) - set(p.ids.tolist())
     assert not outside, f"tokens the grammar forbids were produced: {outside}"
@@ -222,13 +223,13 @@ def test_logprobs_come_from_the_target_rows(pair, plain):
     got = [lp for c in chunks for lp in (c.logprobs or [])]
     emitted = [t for c in chunks for t in c.tokens]
     assert len(got) == len(emitted) == 12
-    target = plain.target
-    target.truncate(0)
-    target.sync(tokens)
-    for token, (logprob, top) in zip(emitted, got):
-        row = target.logits(0).astype(np.float64)
-        logp = row - (row.max() + np.log(np.exp(row - row.max()).sum()))
-        assert len(top) == 3 and top[0][0] == int(np.argmax(row)) == token
-        assert abs(logprob - logp[token]) < 0.05  # batch rows differ from single-token ones by rounding
-        target.decode([token])
-    target.truncate(0)
+    with own_target(plain) as target:
+        target.truncate(0)
+        target.sync(tokens)
+        for token, (logprob, top) in zip(emitted, got):
+            row = target.logits(0).astype(np.float64)
+            logp = row - (row.max() + np.log(np.exp(row - row.max()).sum()))
+            assert len(top) == 3 and top[0][0] == int(np.argmax(row)) == token
+            assert abs(logprob - logp[token]) < 0.05  # batch rows differ from single-token ones by rounding
+            target.decode([token])
+        target.truncate(0)

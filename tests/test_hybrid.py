@@ -15,6 +15,7 @@ import specllama
 from specllama.errors import InvalidParameterError
 from specllama.runtime import ModelSettings, Runtime
 from specllama.sampling import SamplingSettings, distribution
+from conftest import own_target
 from test_interrupts import Boom, interrupt_nth_call
 from test_sampling_e2e import second_tokens
 from test_verify import chi2_critical, chi2_stat
@@ -171,10 +172,10 @@ def test_sampled_speculation_has_the_target_distribution(tiny_paths, draft):
     with specllama.load(tiny_paths["hybrid-target"], draft_path, exact="bitwise", **SETTINGS) as llm:
         prompt = llm.tokenize("Once upon a time")
         mode, second, n_rejections = second_tokens(llm, prompt, 200, settings)
-        target = llm.target
-        target.truncate(0)
-        target.sync(prompt + [mode])  # the target alone: prefill, then the first token
-        p = distribution(target.logits(0), SamplingSettings(**settings))
+        with own_target(llm) as target:
+            target.truncate(0)
+            target.sync(prompt + [mode])  # the target alone: prefill, then the first token
+            p = distribution(target.logits(0), SamplingSettings(**settings))
     observed = np.array([second.count(int(t)) for t in p.ids])
     assert observed.sum() == len(second)
     stat, df = chi2_stat(observed, p.probs)

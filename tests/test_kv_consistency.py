@@ -7,7 +7,7 @@ import numpy as np
 import specllama
 from specllama.runtime import ModelSettings, Runtime
 
-from conftest import SETTINGS
+from conftest import SETTINGS, own_target
 from prompts import PROSE
 
 
@@ -23,21 +23,22 @@ def test_caches_match_a_fresh_context(model_paths):
         r = llm.generate(prompt, max_tokens=160, temperature=1.0, seed=3)
         assert r.stats.n_drafted - r.stats.n_accepted > 40, "too few rejections to test rollback"
         seq = prompt + r.tokens
-        # each cache holds a prefix of the accepted stream, which may run past max_tokens by
-        # the rest of the last round
-        for runtime in (llm.target, llm.draft):
-            n = min(len(runtime.cached), len(seq))
-            assert runtime.cached[:n] == seq[:n], runtime.name
-        assert len(llm.target.cached) >= len(seq) - 1
-        for runtime, path in ((llm.target, model_paths["target"]), (llm.draft, model_paths["draft"])):
-            runtime.sync(seq)  # decodes only what the cache lacks
-            ours = runtime.logits(0).copy()
-            ref = fresh_logits(path, seq)
-            # batch shapes differ from the fresh context, so compare within rounding, not bitwise;
-            # a stale or misplaced KV row shifts logits by whole units
-            assert np.abs(ours - ref).max() < 1.5, runtime.name
-            assert np.corrcoef(ours, ref)[0, 1] > 0.999
-            assert int(np.argmax(ours)) == int(np.argmax(ref))
+        with own_target(llm):
+            # each cache holds a prefix of the accepted stream, which may run past max_tokens by
+            # the rest of the last round
+            for runtime in (llm.target, llm.draft):
+                n = min(len(runtime.cached), len(seq))
+                assert runtime.cached[:n] == seq[:n], runtime.name
+            assert len(llm.target.cached) >= len(seq) - 1
+            for runtime, path in ((llm.target, model_paths["target"]), (llm.draft, model_paths["draft"])):
+                runtime.sync(seq)  # decodes only what the cache lacks
+                ours = runtime.logits(0).copy()
+                ref = fresh_logits(path, seq)
+                # batch shapes differ from the fresh context, so compare within rounding, not bitwise;
+                # a stale or misplaced KV row shifts logits by whole units
+                assert np.abs(ours - ref).max() < 1.5, runtime.name
+                assert np.corrcoef(ours, ref)[0, 1] > 0.999
+                assert int(np.argmax(ours)) == int(np.argmax(ref))
 
 
 def test_stale_cache_would_be_detected(model_paths):

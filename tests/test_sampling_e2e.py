@@ -7,6 +7,7 @@ import numpy as np
 from specllama.sampling import SamplingSettings, distribution
 from test_verify import chi2_critical, chi2_stat
 
+from conftest import own_target
 from prompts import PROSE
 
 
@@ -43,11 +44,11 @@ def test_first_speculated_token_has_the_target_distribution(pair, plain):
     prompt = plain.tokenize("Q: Name a random fruit.\nA")
     mode, second, n_rejections = second_tokens(pair, prompt, 250, settings)
     # p for the second token, computed as the target alone computes it: prefill, then one token
-    target = plain.target
-    target.truncate(0)
-    target.sync(prompt)
-    target.decode([mode])
-    p = distribution(target.logits(0), SamplingSettings(**settings))
+    with own_target(plain) as target:
+        target.truncate(0)
+        target.sync(prompt)
+        target.decode([mode])
+        p = distribution(target.logits(0), SamplingSettings(**settings))
     outside = set(second) - set(p.ids.tolist())
     assert not outside, f"tokens outside the target's top-k were produced: {outside}"
     observed = np.array([second.count(int(t)) for t in p.ids])
