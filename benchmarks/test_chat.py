@@ -9,8 +9,9 @@ specllama (defaults: the draft model, auto n_draft, the rounding level and its p
 and for llama_cpp.Llama (plain decoding, same n_ctx/n_batch/threads/flash attention, its
 longest-prefix reuse),
 in the same process, one after the other (specllama first; SPECLLAMA_BENCH_FIRST=theirs swaps
-them, to tell an order effect from a gap). specllama starts from an empty calibration folder,
-so its first-use measurements are inside these figures; each turn reports what they cost.
+them, to tell an order effect from a gap), both calling llama.cpp from specllama's decode
+thread. specllama starts from an empty calibration folder, so its first-use measurements are
+inside these figures; each turn reports what they cost.
 Targets: the Qwen2.5-Coder 1.5B in F16 and Q4_K_M, drafted by the 0.5B Q4_K_M.
 """
 
@@ -118,6 +119,7 @@ def test_four_turn_chat(bench_models, target, monkeypatch):
     import llama_cpp
 
     import specllama
+    from specllama.runtime.decoder import DECODER
 
     monkeypatch.setenv("SPECLLAMA_HOME", tempfile.mkdtemp(prefix="specllama-bench-chat-"))
     path = bench_models[TARGETS[target]]
@@ -142,12 +144,15 @@ def test_four_turn_chat(bench_models, target, monkeypatch):
         finally:
             llama.close()
 
+    # llama_cpp.Llama's calls on specllama's decode thread: one OpenMP team in the process, as each
+    # side has in a process of its own. With each side's team on a thread of its own, whichever
+    # ran second lost 25-50% a token (Q4_K_M at 2,900 tokens: 58 against 88-103 ms; decoder.py)
     if THEIRS_FIRST:
-        theirs, theirs_again = run_theirs()
+        theirs, theirs_again = DECODER.run(run_theirs)
         load_s, first, idle_ran, idle_s, second, cache = run_ours()
     else:
         load_s, first, idle_ran, idle_s, second, cache = run_ours()
-        theirs, theirs_again = run_theirs()
+        theirs, theirs_again = DECODER.run(run_theirs)
     row = {"benchmark": "chat", "target": target, "flash_attn": FLASH_ATTN, "first_side": "theirs" if THEIRS_FIRST
            else "ours", "load_s": load_s, "idle_s": idle_s,
            "idle_ran": idle_ran, "first": first, "second": second, "llama_cpp": theirs,

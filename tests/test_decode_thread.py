@@ -76,3 +76,25 @@ def test_a_call_s_error_is_raised_in_its_caller_and_the_thread_goes_on():
         decoder.run(lambda: (_ for _ in ()).throw(ValueError("bad batch")))
     idents = {decoder.run(threading.get_ident) for _ in range(3)}
     assert len(idents) == 1 and threading.get_ident() not in idents
+
+
+def test_the_thread_ends_when_idle_and_the_next_call_starts_another(monkeypatch):
+    """Idle for IDLE_EXIT_SECONDS, the thread ends (and llama.cpp's OpenMP team with it, which
+    would otherwise slow another thread's llama_decode calls); a later call starts a new one, and
+    calls arriving as the old one ends are never lost."""
+    from specllama.runtime import decoder as module
+
+    monkeypatch.setattr(module, "IDLE_EXIT_SECONDS", 0.05)
+    decoder = DecodeThread()
+
+    def alive() -> set:
+        return {t.ident for t in threading.enumerate() if t.name == "specllama-decode"}
+
+    first = decoder.run(threading.get_ident)
+    time.sleep(0.3)
+    assert first not in alive()
+    second = decoder.run(threading.get_ident)
+    assert second != threading.get_ident() and second in alive()
+    for pause in (0.03, 0.045, 0.05, 0.055, 0.07) * 4:  # calls racing the thread's end
+        time.sleep(pause)
+        assert decoder.run(lambda: 11) == 11
