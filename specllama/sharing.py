@@ -67,7 +67,7 @@ def open_sharing(first: Slot, n_lanes: int, budget: Budget, pool: Pool, level: L
             return None, _over(diff, level)
         return Sharing(first, context, diff, budget, pool), ""
     except BaseException:
-        context.close()  # idempotent where Sharing closed it
+        context.close()
         raise
 
 
@@ -92,12 +92,17 @@ class Sharing:
         # the draft's steps of all lanes in one pass too (what it proposes, never what is accepted,
         # depends on its rows)
         self.draft_context = SharedContext(first.draft, context.n_lanes) if first.draft is not None else None
-        target, draft = self.context.lane(0), self._draft_lane(0)
-        lane0 = Slot(0, target, draft, PromptCache(target, budget, owner=first.target_cache),
-                     None if draft is None or first.draft_cache is None
-                     else PromptCache(draft, budget, owner=first.draft_cache), lane=True)
-        self.slots = Slots(lane0, context.n_lanes, budget, lane_of=self.context.lane,
-                           draft_lane_of=self._draft_lane if draft is not None else None)
+        try:
+            target, draft = self.context.lane(0), self._draft_lane(0)
+            lane0 = Slot(0, target, draft, PromptCache(target, budget, owner=first.target_cache),
+                         None if draft is None or first.draft_cache is None
+                         else PromptCache(draft, budget, owner=first.draft_cache), lane=True)
+            self.slots = Slots(lane0, context.n_lanes, budget, lane_of=self.context.lane,
+                               draft_lane_of=self._draft_lane if draft is not None else None)
+        except BaseException:  # the target's context is open_sharing's to close
+            if self.draft_context is not None:
+                self.draft_context.close()
+            raise
         for shared in (self.context, self.draft_context):
             if shared is not None:
                 shared.turn, shared.n_active = pool.turn, lambda: self.slots.n_busy
