@@ -45,12 +45,15 @@ def wrapped(text: str, cols: int = COLS) -> list[str]:
 
 
 def test_run_s_status_line_never_lands_in_the_answer(model_paths, pair):
+    from specllama.idle import PROCESS
+
     expected = pair.chat([{"role": "user", "content": PROMPT}], max_tokens=160).text
-    child = pexpect.spawn(sys.executable, ["-m", "specllama", "run", *model_args(model_paths), PROMPT,
-                                           "--max-tokens", "160"], encoding="utf-8", timeout=300,
-                          dimensions=(ROWS, COLS))
-    child.expect(pexpect.EOF)
-    child.close()
+    with PROCESS.busy():  # this process's idle work (pair's measurements) waits: the child has both cores
+        child = pexpect.spawn(sys.executable, ["-m", "specllama", "run", *model_args(model_paths), PROMPT,
+                                               "--max-tokens", "160"], encoding="utf-8", timeout=300,
+                              dimensions=(ROWS, COLS))
+        child.expect(pexpect.EOF)
+        child.close()
     assert child.exitstatus == 0, child.before
     lines = screen_of(child.before)
     start = next(i for i, line in enumerate(lines) if line and expected.split("\n")[0].startswith(line[:20]))
