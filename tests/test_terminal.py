@@ -52,8 +52,10 @@ def test_run_s_status_line_never_lands_in_the_answer(model_paths, pair):
         child = pexpect.spawn(sys.executable, ["-m", "specllama", "run", *model_args(model_paths), PROMPT,
                                                "--max-tokens", "160"], encoding="utf-8", timeout=300,
                               dimensions=(ROWS, COLS))
-        child.expect(pexpect.EOF)
-        child.close()
+        try:
+            child.expect(pexpect.EOF)
+        finally:
+            child.close(force=True)  # a timed-out child is killed, not left running
     assert child.exitstatus == 0, child.before
     lines = screen_of(child.before)
     start = next(i for i, line in enumerate(lines) if line and expected.split("\n")[0].startswith(line[:20]))
