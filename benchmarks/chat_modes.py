@@ -8,9 +8,10 @@ run on a quiet machine.
 The conversation (benchmarks/test_chat.py: shlex.py in the system prompt, four questions,
 128 tokens an answer, greedy) runs once to fill the prompt cache, then the idle work runs
 (what a server does between turns), then each repeat decodes the four turns in every mode.
-A pass reports its seconds, its rounds by source (plain, draft model, prompt lookup) and the
-draft's acceptance of what it proposed. Each mode's passes start from what earlier passes
-left: the pair's acceptance record and the costs, as in a long-running server.
+A pass reports its seconds, its rounds by source (plain, draft model, prompt lookup), the
+draft's acceptance of what it proposed, and each turn's milliseconds per token after the
+first. Each mode's passes start from what earlier passes left: the pair's acceptance record
+and the costs, as in a long-running server.
 """
 
 from __future__ import annotations
@@ -58,7 +59,9 @@ def main() -> None:
                 print(f"repeat {repeat} n_draft={mode}: {len(turns)} turns {seconds:.1f}s "
                       f"({sum(s.n_generated for s in stats) / seconds:.2f} tok/s); rounds plain {n_plain}, "
                       f"draft model {n_draft}, lookup {n_lookup}; {sum(s.n_accepted for s in stats)} of "
-                      f"{sum(s.n_drafted for s in stats)} proposed tokens accepted", flush=True)
+                      f"{sum(s.n_drafted for s in stats)} proposed tokens accepted; ms/token by turn "
+                      + " ".join(f"{1e3 * (s.t_total - s.t_prefill) / max(1, s.n_generated - 1):.0f}" for s in stats),
+                      flush=True)
 
 
 if __name__ == "__main__":

@@ -64,10 +64,18 @@ def _targets() -> list[str]:
     return os.environ.get("SPECLLAMA_BENCH_TARGETS", "q4").split(",")
 
 
-LEVEL = os.environ.get("SPECLLAMA_BENCH_EXACT", "rounding")
+def _level(value: str):
+    """SPECLLAMA_BENCH_EXACT: a level's name, or a bound in logits (a number, as the API takes it)."""
+    try:
+        return float(value)
+    except ValueError:
+        return value
 
 
-def _run(llm, prompts, together: bool, level: str = LEVEL) -> dict:
+LEVEL = _level(os.environ.get("SPECLLAMA_BENCH_EXACT", "rounding"))
+
+
+def _run(llm, prompts, together: bool, level=LEVEL) -> dict:
     timings, wall = time_requests(llm, prompts, together, max_tokens=N_TOKENS, exact=level)
     return {"aggregate": sum(t.n_tokens for t in timings) / wall, "wall": wall,
             "ttft": [t.first_token_s for t in timings], "total": [t.total_s for t in timings],
