@@ -100,6 +100,8 @@ def generate_steps(d: Decoding, prompt: Sequence[int]) -> Generator[Step, None, 
             n_verify_max = limit if d.proposer is not None else 1
             if d.limits.shared is not None:  # a lane: the largest pass its rows may ride in
                 target.batch_cap = limit
+                if not stats.n_rounds:  # the first round plans for the lanes generating now
+                    d.policy.load(*planning_load(0, 1, target.n_lanes_active), limit)
             t1 = time.perf_counter()
             # 2. propose: tokens the grammar forces first (free), then the policy's source
             r = _propose(d, tokens, n_verify_max)

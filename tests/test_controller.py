@@ -590,6 +590,40 @@ def test_a_lane_whose_pass_ran_alone_still_plans_for_the_lanes_generating():
     assert drafting_pays(0, 1) and not drafting_pays(*planning_load(0, 1, 4))
 
 
+def test_a_lanes_first_round_plans_for_the_lanes_generating_as_it_starts():
+    """Controller.load before any round: a request joining seven others plans its first round
+    for their pass, so it decodes plainly where, alone, it drafts (and starts the draft's
+    prefill). Without load() its first round planned as if alone (the F16 lane curve)."""
+    v = [0.080, 0.130, 0.143, 0.146, 0.166, 0.190, 0.210, 0.230, 0.252, 0.275, 0.298, 0.320,
+         0.340, 0.360, 0.380, 0.400, 0.420, 0.440, 0.460, 0.480, 0.500, 0.520, 0.540, 0.560]
+    costs = Costs(tuple(v), 0.030)
+    alone, joining = (Controller(OnlineCosts(costs, v1_live=[0.080] * 3), 16, has_draft=True, lookup=False,
+                                 clock=Clock()) for _ in range(2))
+    joining.load(7, 8, None)
+    assert alone.plan(4, 0, 0)[0] == "draft"
+    assert joining.plan(4, 0, 0) == ("none", 0)
+
+
+def test_draft_steps_timed_beside_other_lanes_do_not_price_a_lone_requests_steps():
+    """A step timed while other lanes generate holds their rows and turns: it prices steps at that
+    load, and a request alone afterwards still prices its own at what alone measured (one window
+    for both left a lone request after a burst pricing its steps at 2-3x)."""
+    costs = OnlineCosts(MEMORY_BOUND)
+    for _ in range(9):
+        costs.observe_draft_step(0.012)
+        costs.observe_draft_step(0.040, shared=True)
+    assert costs.draft_cost(False) == costs.draft_token == pytest.approx(0.012)
+    assert costs.draft_cost(True) == pytest.approx(0.040)
+    lane = Controller(costs, 16, has_draft=True, lookup=False, clock=Clock())
+    lane.load(3, 4, None)
+    assert lane._c_d == pytest.approx(0.040)
+    lane.load(0, 1, None)
+    assert lane._c_d == pytest.approx(0.012)
+    fresh = OnlineCosts(MEMORY_BOUND)
+    fresh.observe_draft_step(0.040, shared=True)  # fewer than three beside others: the step alone
+    assert fresh.draft_cost(True) == MEMORY_BOUND.draft_token
+
+
 def test_rows_past_the_pass_room_are_priced_as_a_pass_of_their_own():
     """shared_pass_costs with n_cap: rows that do not fit beside the others' are decoded in a
     pass of their own, and a lane's rate under v' still decides as the aggregate rate of all

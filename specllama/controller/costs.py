@@ -57,7 +57,8 @@ class OnlineCosts:
         self._shape = Costs(tuple(np.maximum.accumulate(seed.verify).tolist()), seed.draft_token)
         self._one: deque = deque(maxlen=window)  # [measured / calibrated v(1), the line's level then]
         self._batches: deque = deque(maxlen=4 * window)  # (n, measured / calibrated v(n)), n >= 2
-        self._draft: deque = deque(maxlen=window)
+        self._draft: deque = deque(maxlen=window)  # a draft step of this lane's row alone
+        self._draft_shared: deque = deque(maxlen=window)  # a step beside other lanes' (and their turns)
         self._catch_up: deque = deque(maxlen=window)  # measured / modelled seconds of a draft batch
         self._last_one = 0  # n_observed when v(1) was last measured
         self._line: Optional[tuple[float, float, int, int]] = None  # cached fit
@@ -92,9 +93,20 @@ class OnlineCosts:
             return False
         return len(self._one) < 3 or self.n_observed - self._last_one > self.refresh
 
-    def observe_draft_step(self, seconds: float) -> None:
+    def observe_draft_step(self, seconds: float, shared: bool = False) -> None:
+        """A draft step's seconds; shared: taken while other lanes generated (their draft rows
+        in the step, their turns between steps), which is what a step costs at that load and not
+        alone: one window for both, and a burst of requests left a lone request pricing its
+        draft steps at 2-3x their time, drafting less, so measuring fewer of them."""
         if not self.frozen and seconds > 0:
-            self._draft.append(seconds)
+            (self._draft_shared if shared else self._draft).append(seconds)
+
+    def draft_cost(self, shared: bool) -> float:
+        """Seconds a draft step costs alone, or beside other lanes (their figure once three such
+        steps were measured; the step alone until then)."""
+        if shared and len(self._draft_shared) >= 3:
+            return statistics.median(self._draft_shared)
+        return self.draft_token
 
     def observe_catch_up(self, n_tokens: int, seconds: float) -> None:
         """The draft decoded n_tokens at once (its prefill, or catching up) in seconds."""
@@ -171,6 +183,8 @@ class OnlineCosts:
         v = self.table(16)
         return {"v_ms": {n: round(float(v[n]) * 1000, 2) for n in (1, 2, 3, 4, 6, 8, 12, 16)},
                 "draft_token_ms": round(self.draft_token * 1000, 2),
+                **({"draft_step_beside_lanes_ms": round(self.draft_cost(True) * 1000, 2)}
+                   if len(self._draft_shared) >= 3 else {}),
                 "draft_batch_ms": {n: round(self.catch_up(n) * 1000, 2) for n in (2, 8, 32)},
                 "n_observed": self.n_observed,
                 "frozen": self.frozen}

@@ -83,6 +83,8 @@ class Policy(Protocol):
 
     def observe(self, outcome: RoundOutcome) -> None: ...
 
+    def load(self, n_other: int, n_lanes: int, n_cap: Optional[int]) -> None: ...
+
     def as_dict(self) -> dict: ...
 
 
@@ -113,6 +115,9 @@ class FixedDraft:
         return self.lookup
 
     def observe(self, outcome: RoundOutcome) -> None:
+        pass
+
+    def load(self, n_other: int, n_lanes: int, n_cap: Optional[int]) -> None:
         pass
 
     def as_dict(self) -> dict:
@@ -236,7 +241,8 @@ class Controller:
         if r is None:
             return "more"
         if r.t_last is not None:
-            self.costs.observe_draft_step(now - r.t_last)  # one draft decode since the last call
+            # one draft decode since the last call
+            self.costs.observe_draft_step(now - r.t_last, shared=self._load[1] > 1)
         r.t_last = now
         # x_i's row comes after the root, x_1..x_{i-1} and the siblings verified beside them
         i, v, c_d = len(confidences) + r.n_siblings, r.v, self._c_d
@@ -300,13 +306,19 @@ class Controller:
                 self.draft_acceptance.judge(confidence, new[-1] == token, proposed=False)
         if outcome.offer:
             self._judge_offer(outcome.offer, new)
-        # a lane plans the next round as if its pass held the others' rows again (load-adaptive:
-        # drafts pay only while their rows are cheap beside the pass)
-        self._load = (outcome.n_other, outcome.n_lanes)
+        # a lane plans the next round as if its pass held the others' rows again
+        self.load(outcome.n_other, outcome.n_lanes, outcome.n_cap)
+
+    def load(self, n_other: int, n_lanes: int, n_cap: Optional[int]) -> None:
+        """Plan the next rounds for a pass holding n_other rows of n_lanes - 1 other lanes beside
+        this lane's (load-adaptive: drafts pay only while their rows are cheap beside the pass);
+        n_cap: the most rows the pass may hold. A lane's first round plans for the lanes
+        generating as it starts: planned as if alone, every request arriving at a busy server
+        drafted its first round and started the draft's prefill."""
+        self._load = (n_other, n_lanes)
         n_rows = self.limit + TREE_ROWS
-        self._v = shared_pass_costs(self.costs.table(n_rows + outcome.n_other), outcome.n_other, outcome.n_lanes,
-                                    n_rows, outcome.n_cap)
-        self._c_d = self.costs.draft_token
+        self._v = shared_pass_costs(self.costs.table(n_rows + n_other), n_other, n_lanes, n_rows, n_cap)
+        self._c_d = self.costs.draft_cost(shared=n_lanes > 1)
 
     def _pay_for_trying(self, outcome: RoundOutcome) -> None:
         """Rounds without the draft earn credit; a round that tried it again pays its modelled

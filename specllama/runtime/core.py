@@ -83,12 +83,9 @@ class Runtime(Vocab, TreeDecoding):
         self.n_branches = min(n_seq, int(llama_cpp.llama_n_seq_max(ctx.ptr))) if self.memory == "attention" else 1
         self._batch = Batch(self.n_batch, stack, self.n_branches)
         self._batch.base = 0 if lane is None else lane.base
-        # a lane: the most rows the pass computing its next rows may have, other lanes' included
-        # (1: its rows alone); what the fidelity level allows at its KV length, set per round
-        self.batch_cap = 1
+        self.batch_cap = 1  # a lane: the most rows its next pass may hold, others' included (set per round)
         self.n_batch_rows, self.n_batch_lanes = 0, 1  # rows and lanes of the pass of the last decode's rows
         self.t_waited = self.t_waited_total = 0.0  # what the last decode (all, summed) waited for other lanes
-        self.n_lanes_active = 1  # lanes generating in its shared context at that pass (1: a context of its own)
         self._rows = _Rows()
         self._tree: Optional[TreeDecode] = None  # a decoded tree, until one path of it is kept
         self._n_pending = 0  # the last cached tokens, not in the KV cache yet (see _settle)
@@ -219,8 +216,11 @@ class Runtime(Vocab, TreeDecoding):
         job = self._lane.shared.decode(self._batch, self.batch_cap)
         self._rows.copied, self.n_batch_rows, self.n_batch_lanes = job.rows, job.n_rows, job.n_lanes
         self.t_waited, self.t_waited_total = job.waited, self.t_waited_total + job.waited
-        self.n_lanes_active = job.n_active
         self._check(job.status, pos, n_tokens)
+
+    @property
+    def n_lanes_active(self) -> int:  # lanes generating in its shared context now (1: its own)
+        return 1 if self._lane is None else max(1, self._lane.shared.n_active())
 
     def _check(self, status: int, pos: int, n_tokens: int) -> None:
         if status == 0:

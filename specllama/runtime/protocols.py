@@ -100,13 +100,15 @@ class Model(Vocabulary, Protocol):
     n_batch_rows: int  # rows in the pass that computed the last decode's rows
     n_batch_lanes: int  # lanes whose rows were in that pass (1: a context of its own)
     t_waited: float  # of the last decode's time, what it waited for other lanes' rounds
-    n_lanes_active: int  # lanes generating in its shared context at that pass (1: a context of its own)
 
     @property
     def cached(self) -> list[int]: ...
 
     @property
     def max_verify(self) -> int: ...
+
+    @property
+    def n_lanes_active(self) -> int: ...  # lanes generating in its shared context now (1: its own)
 
     @property
     def n_pending(self) -> int: ...

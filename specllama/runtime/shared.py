@@ -54,7 +54,6 @@ class _Job:
     seconds: float = 0.0  # the pass's llama_decode
     n_lanes: int = 1  # lanes whose rows were in the pass
     waited: float = 0.0  # seconds it waited, parked, for other lanes' rounds (not its pass's)
-    n_active: int = 1  # lanes generating when it was done
 
 
 class Parking:
@@ -133,7 +132,7 @@ class SharedContext:
     def decode(self, batch: Batch, cap: int) -> _Job:
         """Decode a lane's filled batch (call in the models' turn, which is held again on return):
         its job, done (status: llama_decode's; rows: its logits by batch row; the pass's rows,
-        lanes and seconds; what it waited for other lanes, and the lanes generating then)."""
+        lanes and seconds; what it waited for other lanes)."""
         job = _Job(batch.items(), max(1, cap))
         t_parked = time.perf_counter()
         deadline = t_parked + min(GRACE_SHARE * self._t_pass, GRACE_MAX)
@@ -147,7 +146,6 @@ class SharedContext:
                     self._flush()
                 if job.done:
                     job.waited = max(0.0, time.perf_counter() - t_parked - job.seconds)
-                    job.n_active = max(1, self.n_active())
                     return job
                 self.turn.release()  # the others' rounds reach their passes
                 if now is None:  # no one waits for the turn: a lane between rounds may park soon
