@@ -13,7 +13,8 @@ contexts, whose rounds park their passes so that one pass decodes every lane's r
 
 The prompt cache's saved states belong to all slots of a model (any slot can restore a state
 another saved), and a request is handed the free slot whose live sequence shares the longest
-prefix with its prompt.
+prefix with its prompt; among lanes, a new one rather than one whose live sequence is too short
+for the prompt cache to save and would be dropped.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ import psutil
 
 from .errors import BusyError, InvalidParameterError
 from .idle import PROCESS
-from .prompt_cache import Budget, PromptCache
+from .prompt_cache import MIN_SAVE, Budget, PromptCache
 from .runtime.core import SlotUnavailable
 from .runtime.protocols import Drafter, Model
 from .runtime.session import common_prefix
@@ -121,6 +122,12 @@ class Slot:
     owner: Optional[int] = None  # the thread generating in it (None: free)
     n_bytes: int = 0  # what making it took (RAM); 0 for the first slot
     lane: bool = False  # its target is a lane of the shared context (rows share passes)
+
+    def drops(self, prompt: list[int]) -> bool:
+        """Whether prefilling prompt here drops tokens of the live sequence that the prompt
+        cache does not save (fewer than MIN_SAVE: a chat UI's title and its answer)."""
+        cached = self.target.cached
+        return 0 < len(cached) - min(common_prefix(cached, prompt), len(prompt) - 1) < MIN_SAVE
 
     def between_chunks(self, call: Optional[Callable[[], None]]) -> None:
         """What this slot's runtimes call between the chunks of a long decode (None: nothing);
@@ -271,17 +278,14 @@ class Pool:
                 raise BusyError("this SpecLlama's models are in exclusive use (a calibration or doctor); "
                                 "generate once it ends")
             slot = slots.free_for(prompt)
-            if slot is not None:
+            # a lane costs no memory: another is made rather than drop a short conversation the
+            # prompt cache would not save (the chat UI's title, asked again with its next turn)
+            if slot is not None and not (slot.lane and slot.drops(prompt) and self._can_grow(slots)):
                 slot.owner = me
                 return slot
-            if len(slots.all) + self._n_growing < slots.n_max:
-                short = slots.ram_short()
-                if not short:
-                    self._n_growing += 1
-                    return None
-                slots.n_max = len(slots.all)
-                log.warning("%s: %s; serving at most %d requests at once", slots.first.target.name, short,
-                            slots.n_max)
+            if self._can_grow(slots):
+                self._n_growing += 1
+                return None
             if all(s.owner == me for s in slots.all) and not self._n_growing:
                 n = len(slots.all)
                 why = f" ({slots.note})" if slots.note else ""
@@ -289,6 +293,17 @@ class Pool:
                                 "streams this thread holds open; finish or close() one of them first"
                                 + ("" if slots.note else ", or load() with a larger n_parallel"))
             self._cv.wait()
+
+    def _can_grow(self, slots: Slots) -> bool:
+        """(the condition held) Whether a slot may be made now: under n_max, with the RAM for it
+        (where it is short, n_max is lowered to the slots there are)."""
+        if len(slots.all) + self._n_growing >= slots.n_max:
+            return False
+        short = slots.ram_short()
+        if short:
+            slots.n_max = len(slots.all)
+            log.warning("%s: %s; serving at most %d requests at once", slots.first.target.name, short, slots.n_max)
+        return not short
 
     def _grow(self, slots: Slots, me: int, prompt: list[int], check_open: Callable[[], None]) -> Optional[Slot]:
         """A new slot owned by me; where llama.cpp cannot make one, no more are tried and the
