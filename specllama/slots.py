@@ -124,10 +124,13 @@ class Slot:
     lane: bool = False  # its target is a lane of the shared context (rows share passes)
 
     def drops(self, prompt: list[int]) -> bool:
-        """Whether prefilling prompt here drops tokens of the live sequence that the prompt
-        cache does not save (fewer than MIN_SAVE: a chat UI's title and its answer)."""
+        """Whether prefilling prompt here drops another conversation: more of the live sequence
+        than the prompt keeps of it, and too little for the prompt cache to save (under
+        MIN_SAVE: a chat UI's title and its answer). The same prompt asked again, or a
+        conversation's next turn, keeps more than it drops."""
         cached = self.target.cached
-        return 0 < len(cached) - min(common_prefix(cached, prompt), len(prompt) - 1) < MIN_SAVE
+        n_keep = min(common_prefix(cached, prompt), len(prompt) - 1)
+        return n_keep < len(cached) - n_keep < MIN_SAVE
 
     def between_chunks(self, call: Optional[Callable[[], None]]) -> None:
         """What this slot's runtimes call between the chunks of a long decode (None: nothing);
