@@ -13,8 +13,8 @@ contexts, whose rounds park their passes so that one pass decodes every lane's r
 
 The prompt cache's saved states belong to all slots of a model (any slot can restore a state
 another saved), and a request is handed the free slot whose live sequence shares the longest
-prefix with its prompt; among lanes, a new one rather than one whose live sequence is too short
-for the prompt cache to save and would be dropped.
+prefix with its prompt; among lanes, a new one where that would drop more of another
+conversation than the prompt keeps, and too little for the prompt cache to save (Slot.drops).
 """
 
 from __future__ import annotations
