@@ -66,6 +66,18 @@ def plain(model_paths):
         yield llm
 
 
+@pytest.fixture
+def quiet_process():
+    """No idle work of other objects in this process (the session's pair measures at the KV
+    lengths earlier tests reached) while a test times decodes, here or in a child process: on 2
+    cores it makes every timing look busy (a curve is then rightly not stored), and a child's
+    three requests at once took 0.19 s to their first tokens against 0.02 s quiet."""
+    from specllama.idle import PROCESS
+
+    with PROCESS.busy():
+        yield
+
+
 @contextmanager
 def own_target(llm) -> Iterator:
     """llm's target Runtime for a test's own decodes, held as a generation holds it: llm's idle

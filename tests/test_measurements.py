@@ -26,17 +26,6 @@ def home(tmp_path, monkeypatch):
     return tmp_path
 
 
-@pytest.fixture
-def quiet_process():
-    """No idle work of other objects in this process (the session's pair measures at the KV
-    lengths earlier tests reached) while a test times decodes: on 2 cores it makes every timing
-    look busy, and a curve is then rightly not stored."""
-    from specllama.idle import PROCESS
-
-    with PROCESS.busy():
-        yield
-
-
 def load(model_paths, **kw):
     return specllama.load(model_paths["target"], model_paths["draft"], **SETTINGS, **kw)
 
