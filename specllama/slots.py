@@ -283,12 +283,12 @@ class Pool:
             slot = slots.free_for(prompt)
             # a lane costs no memory: another is made rather than drop a short conversation the
             # prompt cache would not save (the chat UI's title, asked again with its next turn)
-            if slot is not None and not (slot.lane and slot.drops(prompt) and self._can_grow(slots)):
-                slot.owner = me
-                return slot
-            if self._can_grow(slots):
+            if (slot is None or slot.lane and slot.drops(prompt)) and self._can_grow(slots):
                 self._n_growing += 1
                 return None
+            if slot is not None:
+                slot.owner = me
+                return slot
             if all(s.owner == me for s in slots.all) and not self._n_growing:
                 n = len(slots.all)
                 why = f" ({slots.note})" if slots.note else ""
