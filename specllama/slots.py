@@ -126,8 +126,9 @@ class Slot:
     def drops(self, prompt: list[int]) -> bool:
         """Whether prefilling prompt here drops another conversation: more of the live sequence
         than the prompt keeps of it, and too little for the prompt cache to save (under
-        MIN_SAVE: a chat UI's title and its answer). The same prompt asked again, or a
-        conversation's next turn, keeps more than it drops."""
+        MIN_SAVE: a chat UI's title and its answer). A conversation's next turn, or the same
+        prompt asked again, keeps more than it drops unless the prompt is shorter than the answer
+        after it; then the new lane prefills only that short prompt, and the answer stays live."""
         cached = self.target.cached
         n_keep = min(common_prefix(cached, prompt), len(prompt) - 1)
         return n_keep < len(cached) - n_keep < MIN_SAVE
