@@ -78,6 +78,18 @@ def quiet_process():
         yield
 
 
+@pytest.fixture(autouse=True)
+def _children_get_the_cores(request):
+    """A test that waits on a llama.cpp child (the session's server, or one marked children: a
+    CLI, a worker) holds this process's idle work off meanwhile. This process is idle exactly
+    while it waits, so the session's pair measured beside the child on the same 2 cores and both
+    ran several times slower: the chat-UI title test took 73 s after the module's other tests
+    against 22 s alone, and 147-174 s in the whole suite."""
+    if "served" in request.fixturenames or request.node.get_closest_marker("children"):
+        request.getfixturevalue("quiet_process")
+    yield
+
+
 @contextmanager
 def own_target(llm) -> Iterator:
     """llm's target Runtime for a test's own decodes, held as a generation holds it: llm's idle

@@ -15,6 +15,7 @@ from typing import Any, Optional
 import httpx
 
 from conftest import SETTINGS
+from specllama.idle import PROCESS
 
 
 def free_port() -> int:
@@ -34,16 +35,17 @@ def serve(target: Path, log: Path, *args: str, timeout: float = 180) -> Iterator
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
     base, seen = f"http://127.0.0.1:{port}", []
     try:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            assert proc.poll() is None, log.read_text()
-            try:
-                seen.append(httpx.get(f"{base}/health", timeout=5).status_code)
-            except httpx.TransportError:
-                pass
-            if seen and seen[-1] == 200:
-                break
-            time.sleep(0.05)
+        with PROCESS.busy():  # this process's idle work waits while the server loads and measures
+            deadline = time.monotonic() + timeout
+            while time.monotonic() < deadline:
+                assert proc.poll() is None, log.read_text()
+                try:
+                    seen.append(httpx.get(f"{base}/health", timeout=5).status_code)
+                except httpx.TransportError:
+                    pass
+                if seen and seen[-1] == 200:
+                    break
+                time.sleep(0.05)
         assert seen and seen[-1] == 200, log.read_text()
         yield base, seen
     finally:

@@ -284,6 +284,7 @@ def test_lanes_without_flash_attention_say_what_they_cost(tiny_paths, caplog):
         assert caplog.text.count("lanes with flash_attn=False") == n_warned
 
 
+@pytest.mark.children
 def test_served_by_default_with_lanes_a_leaving_client_leaves_the_other_unchanged(model_paths, tmp_path):
     """`serve` at a level that allows a lane's difference makes lanes by default: two streamed
     chats at once share passes (/health counts them); one client leaving mid-stream leaves the

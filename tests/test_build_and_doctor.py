@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.children  # each test waits on a llama.cpp child
+
 ROOT = Path(__file__).resolve().parent.parent
 SETUP = ROOT / "scripts" / "setup.sh"
 

@@ -5,8 +5,11 @@ from __future__ import annotations
 import sys
 
 import pexpect
+import pytest
 
 from conftest import SETTINGS
+
+pytestmark = pytest.mark.children  # each test waits on a llama.cpp child
 
 
 def test_two_turns_reset_ctrl_c_and_another_turn(model_paths):

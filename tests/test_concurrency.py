@@ -159,7 +159,8 @@ def test_a_long_prompt_beside_a_stream_is_prefilled_between_its_rounds(model_pat
     assert len(during) >= 3 and max(during) < 0.6 * result.stats.t_prefill
 
 
-def test_bench_parallel_reports_requests_at_once_against_one_at_a_time(model_paths, tmp_path, quiet_process):
+@pytest.mark.children
+def test_bench_parallel_reports_requests_at_once_against_one_at_a_time(model_paths, tmp_path):
     """`specllama bench --parallel 3`: the aggregate and the waits for a first token, at once and
     one after another. Sent together, the last request's first token comes after the others'
     first rounds, not after their whole answers."""

@@ -17,6 +17,8 @@ import pytest
 
 from specllama import gguf_check
 
+pytestmark = pytest.mark.children  # each test waits on a llama.cpp child
+
 RUNNER = r"""
 import sys
 import specllama

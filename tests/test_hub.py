@@ -155,6 +155,7 @@ def test_cli_errors_are_one_line(server, hub_env):
     assert len(lines) == 1 and "not found" in lines[0] and "Traceback" not in result.output
 
 
+@pytest.mark.children
 def test_subprocess_run_with_local_target_auto_draft(model_paths, pair, tmp_path):
     """A real `specllama run` process: auto-selects the 0.5B next to the target, streams the API's text."""
     folder = tmp_path / "models"

@@ -192,6 +192,7 @@ def test_bad_memory_choices_are_refused_with_the_way_out(tiny_paths, model_paths
         specllama.load(tiny_paths["attention-draft"], "mtp", **SETTINGS)
 
 
+@pytest.mark.children
 def test_doctor_says_which_rollback_a_model_gets_and_whether_it_has_mtp_heads(tiny_paths, model_paths):
     import subprocess
     import sys

@@ -8,7 +8,11 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
+
 from conftest import SETTINGS
+
+pytestmark = pytest.mark.children  # each test waits on a llama.cpp child
 
 PROLOGUE = """
 import sys, threading, time

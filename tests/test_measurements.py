@@ -51,7 +51,8 @@ def test_a_curve_a_busy_machine_wrote_is_measured_again(model_paths, home, quiet
     assert stored["how"] == "probe while idle" and stored["verify"][0] < 0.5
 
 
-def test_calibrate_writes_what_run_then_uses(model_paths, home, quiet_process):
+@pytest.mark.children
+def test_calibrate_writes_what_run_then_uses(model_paths, home):
     out = subprocess.run([sys.executable, "-m", "specllama", "calibrate", str(model_paths["target"]), "--draft",
                           str(model_paths["draft"]), "--ctx", str(SETTINGS["n_ctx"]), "--threads",
                           str(SETTINGS["n_threads"]), "--kv-groups", "1"], capture_output=True, text=True,

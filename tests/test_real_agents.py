@@ -23,8 +23,9 @@ import pytest
 import fetch_models
 from serving import serve
 
-pytestmark = pytest.mark.skipif(os.environ.get("SPECLLAMA_AGENTS") != "1",
-                                reason="real agents are long here: SPECLLAMA_AGENTS=1 runs them")
+pytestmark = [pytest.mark.skipif(os.environ.get("SPECLLAMA_AGENTS") != "1",
+                                 reason="real agents are long here: SPECLLAMA_AGENTS=1 runs them"),
+              pytest.mark.children]
 AGENTS = {"@anthropic-ai/claude-code": "2.1.332", "@openai/codex": "0.171.0"}
 KEY = "agent-key"
 TASK = "Create a file hello.py that prints hello."

@@ -27,6 +27,8 @@ from conftest import SETTINGS
 from prompts import CODE
 from test_long_context import first_difference
 
+pytestmark = pytest.mark.children  # each test waits on a llama.cpp child
+
 needs_rpc = pytest.mark.skipif(not runtime.supports_rpc(), reason=runtime.NO_RPC_BUILD)
 N_TOKENS = 40
 

@@ -19,6 +19,8 @@ import pytest
 import specllama
 from conftest import SETTINGS
 
+pytestmark = pytest.mark.children  # each test waits on a llama.cpp child
+
 ROWS, COLS = 12, 80  # small, so the answer scrolls past the row the status line is drawn on
 PROMPT = "Write a Python function that checks whether a number is prime, with a docstring and two examples."
 
@@ -45,17 +47,14 @@ def wrapped(text: str, cols: int = COLS) -> list[str]:
 
 
 def test_run_s_status_line_never_lands_in_the_answer(model_paths, pair):
-    from specllama.idle import PROCESS
-
     expected = pair.chat([{"role": "user", "content": PROMPT}], max_tokens=160).text
-    with PROCESS.busy():  # this process's idle work (pair's measurements) waits: the child has both cores
-        child = pexpect.spawn(sys.executable, ["-m", "specllama", "run", *model_args(model_paths), PROMPT,
-                                               "--max-tokens", "160"], encoding="utf-8", timeout=300,
-                              dimensions=(ROWS, COLS))
-        try:
-            child.expect(pexpect.EOF)
-        finally:
-            child.close(force=True)  # a timed-out child is killed, not left running
+    child = pexpect.spawn(sys.executable, ["-m", "specllama", "run", *model_args(model_paths), PROMPT,
+                                           "--max-tokens", "160"], encoding="utf-8", timeout=300,
+                          dimensions=(ROWS, COLS))
+    try:
+        child.expect(pexpect.EOF)
+    finally:
+        child.close(force=True)  # a timed-out child is killed, not left running
     assert child.exitstatus == 0, child.before
     lines = screen_of(child.before)
     start = next(i for i, line in enumerate(lines) if line and expected.split("\n")[0].startswith(line[:20]))
