@@ -84,7 +84,8 @@ class SpecLlama(LlamaApi, BatchApi):
             log.info("%s: requests decode one at a time: %s", target.name, note)
         self.pool = Pool(slots, lambda: self.idle.busy())
         self._models = self.pool.turn  # whoever decodes holds it: a generation's round, or idle work
-        self.idle = IdleWork(self._models, lambda: self.pool.n_generating > 0 or self._closed, start=idle_work)
+        self.idle = IdleWork(self._models, lambda: self.pool.n_generating > 0 or self._closed, start=idle_work,
+                             n_threads=target.n_threads)
         self.planner = Planner(target, draft, lookup, self._stash, self.idle, self.draft_cache)
         self.batch_diffs, self.reuse_diffs = self.planner.batch_diffs, self.planner.reuse_diffs
         if self.speculates or batch_requests:

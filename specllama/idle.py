@@ -9,12 +9,15 @@ not collide with it. Work checks `stop()` between llama.cpp calls: a generation 
 models makes the work in progress end early (restoring what it changed) and retry later, so a
 request waits one decode at most. A measurement the machine disturbed (it returns False) is
 retried later, waiting longer each time (10 s, 20 s, ... up to 5 minutes), so probes never keep a
-busy machine busier. warm_up() runs the whole queue in the caller's thread, at once.
+busy machine busier; and no work starts while other processes hold the cores its llama.cpp threads
+need (on Linux, read from /proc/stat): it would time them, and slow them down. warm_up() runs the
+whole queue in the caller's thread, at once.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -28,6 +31,9 @@ GRACE_SECONDS = 0.5  # idle this long after a generation before work starts
 BUSY_RETRY_SECONDS = 10.0  # a disturbed measurement waits this long, doubling each time,
 BUSY_RETRY_MAX_SECONDS = 300.0  # up to this
 NOT_READY_POLL_SECONDS = 1.0  # a task waiting for a longer context looks again (a generation notifies sooner)
+BUSY_POLL_SECONDS = 5.0  # while other processes hold the cores, look again this often
+BUSY_SAMPLE_SECONDS = 0.25  # the window in which their use of the cores is read
+SPARE_CORES = 0.5  # other processes may use this much of the cores our threads need, beyond those left over
 
 
 class _Process:
@@ -75,6 +81,39 @@ class _Process:
 PROCESS = _Process()
 
 
+def busy_jiffies(proc_stat: str, cpus: set[int]) -> int:
+    """Clock ticks the CPUs in cpus spent busy (all but idle and iowait; steal counts as busy: the
+    hypervisor ran something else there), from the text of /proc/stat."""
+    total = 0
+    for line in proc_stat.splitlines():
+        name, *fields = line.split()
+        if name.startswith("cpu") and name[3:].isdigit() and int(name[3:]) in cpus:
+            ticks = [int(x) for x in fields[:8]]  # user nice system idle iowait irq softirq steal
+            total += sum(ticks) - ticks[3] - ticks[4]
+    return total
+
+
+def cores_used_by_others(n_threads: int, window: float = BUSY_SAMPLE_SECONDS) -> Optional[float]:
+    """How many of the cores this process may run on other processes used over a window (this
+    process's own threads left out), and how many our n_threads need beyond those left over:
+    their excess, in cores (0: the cores our threads need are free). None where it cannot be
+    read (no /proc/stat: not Linux)."""
+    try:
+        cpus = os.sched_getaffinity(0)
+        hz = os.sysconf("SC_CLK_TCK")
+        with open("/proc/stat") as f:
+            busy0, own0 = busy_jiffies(f.read(), cpus), sum(os.times()[:2])
+        t0 = time.monotonic()
+        time.sleep(window)
+        with open("/proc/stat") as f:
+            busy1, own1 = busy_jiffies(f.read(), cpus), sum(os.times()[:2])
+        elapsed = time.monotonic() - t0
+    except (AttributeError, OSError, ValueError):
+        return None
+    others = max(0.0, (busy1 - busy0) / hz - (own1 - own0)) / elapsed
+    return max(0.0, others - (len(cpus) - min(n_threads, len(cpus))))
+
+
 class Preempted(Exception):
     """A generation wants the models: the work ends early, to be retried when idle again."""
 
@@ -104,13 +143,16 @@ class IdleWork:
     """The queue of idle work of one SpecLlama and the thread that runs it.
 
     models: the lock whoever uses the models holds (a generation, or a step of idle work);
-    wanted(): whether a generation is waiting for it or running.
+    wanted(): whether a generation is waiting for it or running; n_threads: the threads its
+    llama.cpp work runs on, which other processes must leave the cores for (None: no check).
     """
 
     MAX_TRIES = 20  # a task preempted this often is left for warm_up()
 
-    def __init__(self, models: Any, wanted: Callable[[], bool], start: bool = True):
-        self._models, self._wanted = models, wanted
+    def __init__(self, models: Any, wanted: Callable[[], bool], start: bool = True,
+                 n_threads: Optional[int] = None):
+        self._models, self._wanted, self._n_threads = models, wanted, n_threads
+        self.cores_taken = False  # other processes held the cores at the last look (doctor, the log)
         self._tasks: dict[str, Task] = {}
         self._cv = threading.Condition()
         self._closed = False
@@ -188,6 +230,8 @@ class IdleWork:
 
     def _loop(self) -> None:
         while (task := self._next()) is not None:
+            if self._cores_taken():
+                continue
             if not self._models.acquire(blocking=False):
                 self.busy()
                 continue
@@ -202,6 +246,22 @@ class IdleWork:
                     PROCESS.end_idle()
             finally:
                 self._models.release()
+
+    def _cores_taken(self) -> bool:
+        """Whether other processes hold the cores our threads need; if so every task waits
+        BUSY_POLL_SECONDS before it is looked at again."""
+        excess = cores_used_by_others(self._n_threads) if self._n_threads else None
+        taken = excess is not None and excess > SPARE_CORES
+        if taken and not self.cores_taken:
+            log.info("idle work waits: other processes use %.1f of the cores its %d threads need",
+                     excess, self._n_threads)
+        self.cores_taken = taken
+        if taken:
+            due = time.monotonic() + BUSY_POLL_SECONDS
+            with self._cv:
+                for t in self._tasks.values():
+                    t.not_before = max(t.not_before, due)
+        return taken
 
     def _run(self, task: Task, stop: Callable[[], bool]) -> bool:
         """Run task (the models' lock held); whether it completed."""

@@ -2,8 +2,14 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import threading
 import time
+from pathlib import Path
+
+import pytest
 
 from specllama import records
 
@@ -105,4 +111,46 @@ def test_a_disturbed_measurement_waits_before_the_idle_thread_retries_it():
         assert len(runs) == 1 and idle.pending() == ["the decode-cost curve"]
         assert idle.warm_up() == ["costs"] and len(runs) == 2 and idle.pending() == []  # asked for: now
     finally:
+        idle.close()
+
+
+def test_the_cores_other_processes_use_are_read_per_cpu_without_idle_time():
+    from specllama.idle import busy_jiffies
+
+    stat = ("cpu  900 0 300 5000 50 0 0 0 0 0\n"
+            "cpu0 100 5 50 2000 20 1 2 3 0 0\n"  # busy: 100+5+50+1+2+3; idle and iowait left out
+            "cpu1 800 0 250 3000 30 0 0 10 0 0\n"
+            "intr 12345 0 0\nctxt 999\n")
+    assert busy_jiffies(stat, {0}) == 161
+    assert busy_jiffies(stat, {0, 1}) == 161 + 1060
+    assert busy_jiffies(stat, {5}) == 0  # a CPU this process may not run on
+
+
+@pytest.mark.skipif(not Path("/proc/stat").exists(), reason="reads /proc/stat (Linux)")
+def test_idle_work_waits_while_other_processes_hold_the_cores(monkeypatch):
+    """A probe run while another process spins on the cores would time that process (and slow
+    it): the work waits until the cores are free, then runs."""
+    import specllama.idle
+    from specllama.idle import IdleWork, Task
+
+    monkeypatch.setattr(specllama.idle, "BUSY_POLL_SECONDS", 0.5)
+    n_cpus = len(os.sched_getaffinity(0))
+    burners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(n_cpus)]
+    runs: list[float] = []
+    idle = IdleWork(threading.Lock(), lambda: False, n_threads=n_cpus)
+    try:
+        time.sleep(0.5)  # the burners spin
+        idle.add(Task("costs", lambda stop: runs.append(time.monotonic()), what="the decode-cost curve"))
+        time.sleep(4)
+        assert runs == [] and idle.cores_taken and idle.pending() == ["the decode-cost curve"]
+        for burner in burners:
+            burner.kill()
+            burner.wait()
+        deadline = time.monotonic() + 60  # other objects' idle work in this process may run first
+        while not runs and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert runs and not idle.cores_taken and idle.pending() == []
+    finally:
+        for burner in burners:
+            burner.kill()
         idle.close()

@@ -111,6 +111,9 @@ class Model(Vocabulary, Protocol):
     def n_lanes_active(self) -> int: ...  # lanes generating in its shared context now (1: its own)
 
     @property
+    def n_threads(self) -> int: ...  # the CPU threads llama.cpp decodes with
+
+    @property
     def n_pending(self) -> int: ...
 
     def decode(self, tokens: Sequence[int], *, n_logits: int = 1, aligned: bool = False) -> None: ...

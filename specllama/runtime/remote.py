@@ -60,6 +60,7 @@ class RemoteRuntime:
 
     def __init__(self, settings: ModelSettings):
         self.settings = settings
+        self.n_threads = settings.threads[0]  # the host's (the layers decode on the workers' own)
         self.endpoints = settings.rpc
         self.name = "model"
         self.cached: list[int] = []
