@@ -10,20 +10,21 @@ models makes the work in progress end early (restoring what it changed) and retr
 request waits one decode at most. A measurement the machine disturbed (it returns False) is
 retried later, waiting longer each time (10 s, 20 s, ... up to 5 minutes), so probes never keep a
 busy machine busier; and no work starts while other processes hold the cores its llama.cpp threads
-need (on Linux, read from /proc/stat): it would time them, and slow them down. warm_up() runs the
+need (cores.py): it would time them, and slow them down. warm_up() runs the
 whole queue in the caller's thread, at once.
 """
 
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Optional
+
+from .cores import SPARE_CORES, cores_used_by_others
 
 log = logging.getLogger("specllama")
 
@@ -32,8 +33,6 @@ BUSY_RETRY_SECONDS = 10.0  # a disturbed measurement waits this long, doubling e
 BUSY_RETRY_MAX_SECONDS = 300.0  # up to this
 NOT_READY_POLL_SECONDS = 1.0  # a task waiting for a longer context looks again (a generation notifies sooner)
 BUSY_POLL_SECONDS = 5.0  # while other processes hold the cores, look again this often
-BUSY_SAMPLE_SECONDS = 0.25  # the window in which their use of the cores is read
-SPARE_CORES = 0.5  # other processes may use this much of the cores our threads need, beyond those left over
 
 
 class _Process:
@@ -79,39 +78,6 @@ class _Process:
 
 
 PROCESS = _Process()
-
-
-def busy_jiffies(proc_stat: str, cpus: set[int]) -> int:
-    """Clock ticks the CPUs in cpus spent busy (all but idle and iowait; steal counts as busy: the
-    hypervisor ran something else there), from the text of /proc/stat."""
-    total = 0
-    for line in proc_stat.splitlines():
-        name, *fields = line.split()
-        if name.startswith("cpu") and name[3:].isdigit() and int(name[3:]) in cpus:
-            ticks = [int(x) for x in fields[:8]]  # user nice system idle iowait irq softirq steal
-            total += sum(ticks) - ticks[3] - ticks[4]
-    return total
-
-
-def cores_used_by_others(n_threads: int, window: float = BUSY_SAMPLE_SECONDS) -> Optional[float]:
-    """How many of the cores this process may run on other processes used over a window (this
-    process's own threads left out), and how many our n_threads need beyond those left over:
-    their excess, in cores (0: the cores our threads need are free). None where it cannot be
-    read (no /proc/stat: not Linux)."""
-    try:
-        cpus = os.sched_getaffinity(0)
-        hz = os.sysconf("SC_CLK_TCK")
-        with open("/proc/stat") as f:
-            busy0, own0 = busy_jiffies(f.read(), cpus), sum(os.times()[:2])
-        t0 = time.monotonic()
-        time.sleep(window)
-        with open("/proc/stat") as f:
-            busy1, own1 = busy_jiffies(f.read(), cpus), sum(os.times()[:2])
-        elapsed = time.monotonic() - t0
-    except (AttributeError, OSError, ValueError):
-        return None
-    others = max(0.0, (busy1 - busy0) / hz - (own1 - own0)) / elapsed
-    return max(0.0, others - (len(cpus) - min(n_threads, len(cpus))))
 
 
 class Preempted(Exception):

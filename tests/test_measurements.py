@@ -3,9 +3,12 @@ wrote is not used, calibrate writes what run reads, and no probe runs inside a r
 
 from __future__ import annotations
 
+import json
+import os
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -164,3 +167,31 @@ def test_what_a_pairs_drafts_taught_is_kept_for_the_next_load(model_paths, home)
         assert kept[True].long_run() == pytest.approx(taught.long_run()) and kept[True].long_run() > 0.6
         assert kept[True].predict(0.97) == pytest.approx(taught.predict(0.97))
         assert kept[False].long_run() == 0.6 and kept[True].n_judged == 0
+
+
+@pytest.mark.children
+@pytest.mark.skipif(not Path("/proc/stat").exists(), reason="reads /proc/stat (Linux)")
+def test_bench_says_when_other_processes_held_the_cores(model_paths, tmp_path):
+    """`specllama bench` beside processes spinning on every core says its figures timed them
+    too; its JSON gives what other processes used, quiet or not."""
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(json.dumps({"prompt": "Count from one to ten."}) + "\n")
+    cmd = [sys.executable, "-m", "specllama", "bench", str(model_paths["smollm2"]), "--draft", "none", "--prompts",
+           str(prompts), "-n", "16", "--repeats", "1", "--json", "--ctx", "512", "-t", str(SETTINGS["n_threads"])]
+    quiet = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    burners = [subprocess.Popen([sys.executable, "-c", "while True: pass"])
+               for _ in range(len(os.sched_getaffinity(0)))]
+    try:
+        busy = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    finally:
+        for burner in burners:
+            burner.kill()
+            burner.wait()
+    machines = []
+    for out in (quiet, busy):
+        assert out.returncode == 0, out.stderr[-2000:]
+        machine = json.loads(out.stdout)["machine"]
+        assert machine["n_threads"] == SETTINGS["n_threads"] and machine["other_processes_cores"] >= 0
+        assert ("the machine was busy" in out.stderr) == (machine["excess"] > 0.5), (machine, out.stderr[-500:])
+        machines.append(machine)
+    assert machines[1]["excess"] > 0.5 and machines[1]["other_processes_cores"] > machines[0]["other_processes_cores"]

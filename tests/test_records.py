@@ -115,7 +115,7 @@ def test_a_disturbed_measurement_waits_before_the_idle_thread_retries_it():
 
 
 def test_the_cores_other_processes_use_are_read_per_cpu_without_idle_time():
-    from specllama.idle import busy_jiffies
+    from specllama.cores import busy_jiffies
 
     stat = ("cpu  900 0 300 5000 50 0 0 0 0 0\n"
             "cpu0 100 5 50 2000 20 1 2 3 0 0\n"  # busy: 100+5+50+1+2+3; idle and iowait left out

@@ -10,6 +10,7 @@ from typing import Any, Optional
 import click
 
 from ..batch import time_requests
+from ..cores import SPARE_CORES, OtherProcesses
 from .app import main
 from .options import ModelChoice, model_options
 from .run import first_use
@@ -46,6 +47,7 @@ def bench_cmd(choice: ModelChoice, prompts_file: str, max_tokens: int, repeats: 
         inputs = [llm.chat_tokens(p["messages"]) if "messages" in p else
                   llm.chat_tokens([{"role": "user", "content": p["prompt"]}]) if use_chat else llm.tokenize(p["prompt"])
                   for p in prompts]
+        others = OtherProcesses()  # a benchmark beside other work times that work too
         rates: dict[Any, list[float]] = {c: [] for c in configs}
         ties = {c: 0 for c in configs}
         capped: dict[Any, int] = {}
@@ -67,7 +69,9 @@ def bench_cmd(choice: ModelChoice, prompts_file: str, max_tokens: int, repeats: 
                     rates[config].append(n[config] / t[config] if t[config] else 0.0)
         at_once = _at_once(llm, [inputs[i % len(inputs)] for i in range(n_parallel)], max_tokens, repeats) \
             if n_parallel > 1 else None
-    _report(choice, configs, rates, ties, capped, as_json, at_once)
+        machine = {"other_processes_cores": others.cores(), "n_cores": others.n_cores,
+                   "n_threads": llm.target.n_threads, "excess": others.excess(llm.target.n_threads)}
+    _report(choice, configs, rates, ties, capped, as_json, at_once, machine)
 
 
 def _at_once(llm: Any, inputs: list[list[int]], max_tokens: int, repeats: int) -> dict[str, Any]:
@@ -118,7 +122,7 @@ def _read(prompts_file: str) -> list[dict]:
 
 
 def _report(choice: ModelChoice, configs: list[Any], rates: dict[Any, list[float]], ties: dict[Any, int],
-            capped: dict[Any, int], as_json: bool, at_once: Any = None) -> None:
+            capped: dict[Any, int], as_json: bool, at_once: Any = None, machine: Optional[dict] = None) -> None:
     speedups = {c: [r / p if p else 0.0 for r, p in zip(rates[c], rates[0])] for c in configs}
     rows: list[dict[str, Any]] = [{"n_draft": "plain" if c == 0 else c, "tokens_per_s": statistics.median(rates[c]),
              "speedup": statistics.median(speedups[c]), "spread": [min(speedups[c]), max(speedups[c])],
@@ -128,9 +132,13 @@ def _report(choice: ModelChoice, configs: list[Any], rates: dict[Any, list[float
     best = max(configs, key=lambda c: statistics.median(speedups[c]))
     if best != 0 and statistics.median(speedups[best]) - 1 <= noise:
         best = 0
+    if machine and (machine["excess"] or 0) > SPARE_CORES:
+        click.echo(f"warning: the machine was busy: other processes used {machine['other_processes_cores']:.1f} of "
+                   f"its {machine['n_cores']} cores on average while this ran, where the {machine['n_threads']} "
+                   "threads needed them; these figures time that work too: run again when it is quiet", err=True)
     if as_json:
         click.echo(json.dumps({"results": rows, "recommended_n_draft": best, "fidelity": str(choice.exact),
-                               "noise": noise, **({"parallel": at_once} if at_once else {})}))
+                               "noise": noise, "machine": machine, **({"parallel": at_once} if at_once else {})}))
         return
     click.echo(f"{'n_draft':>8} {'tok/s':>8} {'speedup':>8} {'spread':>13} {'near-ties':>9}   "
                f"(fidelity: {choice.exact}; plain decoding's own runs vary by {noise:.0%})")
