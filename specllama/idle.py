@@ -10,8 +10,8 @@ models makes the work in progress end early (restoring what it changed) and retr
 request waits one decode at most. A measurement the machine disturbed (it returns False) is
 retried later, waiting longer each time (10 s, 20 s, ... up to 5 minutes), so probes never keep a
 busy machine busier; and no work starts while other processes hold the cores its llama.cpp threads
-need (cores.py): it would time them, and slow them down. warm_up() runs the
-whole queue in the caller's thread, at once.
+need (cores.py): it would time them, and slow them down. warm_up() runs the whole queue in the
+caller's thread, at once.
 """
 
 from __future__ import annotations
@@ -118,7 +118,7 @@ class IdleWork:
     def __init__(self, models: Any, wanted: Callable[[], bool], start: bool = True,
                  n_threads: Optional[int] = None):
         self._models, self._wanted, self._n_threads = models, wanted, n_threads
-        self.cores_taken = False  # other processes held the cores at the last look (doctor, the log)
+        self.cores_taken = False  # other processes held the cores at the last look (the log line says so once)
         self._tasks: dict[str, Task] = {}
         self._cv = threading.Condition()
         self._closed = False
