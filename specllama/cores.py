@@ -54,9 +54,10 @@ class OtherProcesses:
         t0, busy0, own0 = self._start
         return max(0.0, (busy1 - busy0) / self._hz - (own1 - own0)) / max(t1 - t0, 1e-6)
 
-    def excess(self, n_threads: int) -> Optional[float]:
-        """How much of the cores n_threads need they took (0: those cores were free), in cores."""
-        used = self.cores()
+    def excess(self, n_threads: int, used: Optional[float] = None) -> Optional[float]:
+        """How much of the cores n_threads need they took (0: those cores were free), in cores;
+        used: a reading of cores() to judge (default: a new one)."""
+        used = self.cores() if used is None else used
         if used is None:
             return None
         return max(0.0, used - (len(self._cpus) - min(n_threads, len(self._cpus))))

@@ -91,6 +91,22 @@ def _children_get_the_cores(request):
 
 
 @contextmanager
+def spinning_on_every_core() -> Iterator[None]:
+    """A process spinning on each core this process may use, killed at the end: other work
+    holding the cores, as a compile or a second benchmark would."""
+    import subprocess
+
+    burners = [subprocess.Popen([sys.executable, "-c", "while True: pass"])
+               for _ in range(len(os.sched_getaffinity(0)))]
+    try:
+        yield
+    finally:
+        for burner in burners:
+            burner.kill()
+            burner.wait()
+
+
+@contextmanager
 def own_target(llm) -> Iterator:
     """llm's target Runtime for a test's own decodes, held as a generation holds it: llm's idle
     work (the plain fixture measures when idle) ends first and waits until the block ends.

@@ -4,7 +4,6 @@ wrote is not used, calibrate writes what run reads, and no probe runs inside a r
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import time
@@ -13,7 +12,7 @@ from pathlib import Path
 import pytest
 
 import specllama
-from conftest import SETTINGS
+from conftest import SETTINGS, spinning_on_every_core
 from prompts import LONG_STORY
 from specllama import calibrate, records
 
@@ -179,14 +178,8 @@ def test_bench_says_when_other_processes_held_the_cores(model_paths, tmp_path):
     cmd = [sys.executable, "-m", "specllama", "bench", str(model_paths["smollm2"]), "--draft", "none", "--prompts",
            str(prompts), "-n", "16", "--repeats", "1", "--json", "--ctx", "512", "-t", str(SETTINGS["n_threads"])]
     quiet = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-    burners = [subprocess.Popen([sys.executable, "-c", "while True: pass"])
-               for _ in range(len(os.sched_getaffinity(0)))]
-    try:
+    with spinning_on_every_core():
         busy = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-    finally:
-        for burner in burners:
-            burner.kill()
-            burner.wait()
     machines = []
     for out in (quiet, busy):
         assert out.returncode == 0, out.stderr[-2000:]

@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
 
 import pytest
 
+from conftest import spinning_on_every_core
 from specllama import records
 
 QUIET = [0.035 + 0.008 * (n - 1) for n in range(1, 18)]  # a Q4_K_M 1.5B on 2 quiet cores
@@ -134,23 +133,17 @@ def test_idle_work_waits_while_other_processes_hold_the_cores(monkeypatch):
     from specllama.idle import IdleWork, Task
 
     monkeypatch.setattr(specllama.idle, "BUSY_POLL_SECONDS", 0.5)
-    n_cpus = len(os.sched_getaffinity(0))
-    burners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(n_cpus)]
     runs: list[float] = []
-    idle = IdleWork(threading.Lock(), lambda: False, n_threads=n_cpus)
+    idle = IdleWork(threading.Lock(), lambda: False, n_threads=len(os.sched_getaffinity(0)))
     try:
-        time.sleep(0.5)  # the burners spin
-        idle.add(Task("costs", lambda stop: runs.append(time.monotonic()), what="the decode-cost curve"))
-        time.sleep(4)
-        assert runs == [] and idle.cores_taken and idle.pending() == ["the decode-cost curve"]
-        for burner in burners:
-            burner.kill()
-            burner.wait()
+        with spinning_on_every_core():
+            time.sleep(0.5)  # the burners spin
+            idle.add(Task("costs", lambda stop: runs.append(time.monotonic()), what="the decode-cost curve"))
+            time.sleep(4)
+            assert runs == [] and idle.cores_taken and idle.pending() == ["the decode-cost curve"]
         deadline = time.monotonic() + 60  # other objects' idle work in this process may run first
         while not runs and time.monotonic() < deadline:
             time.sleep(0.05)
         assert runs and not idle.cores_taken and idle.pending() == []
     finally:
-        for burner in burners:
-            burner.kill()
         idle.close()

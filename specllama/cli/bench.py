@@ -69,8 +69,9 @@ def bench_cmd(choice: ModelChoice, prompts_file: str, max_tokens: int, repeats: 
                     rates[config].append(n[config] / t[config] if t[config] else 0.0)
         at_once = _at_once(llm, [inputs[i % len(inputs)] for i in range(n_parallel)], max_tokens, repeats) \
             if n_parallel > 1 else None
-        machine = {"other_processes_cores": others.cores(), "n_cores": others.n_cores,
-                   "n_threads": llm.target.n_threads, "excess": others.excess(llm.target.n_threads)}
+        used = others.cores()  # one reading: the figure and its excess agree
+        machine = {"other_processes_cores": used, "n_cores": others.n_cores,
+                   "n_threads": llm.target.n_threads, "excess": others.excess(llm.target.n_threads, used)}
     _report(choice, configs, rates, ties, capped, as_json, at_once, machine)
 
 
