@@ -77,6 +77,19 @@ def test_a_malformed_message_is_a_400_naming_the_field(server, name, messages, p
     assert error["param"] == param and error["type"] == "invalid_request_error" and param in error["message"]
 
 
+def test_a_json_body_sent_as_a_form_is_a_400_that_names_the_header(server):
+    """`curl URL -d '{...}'` without -H sends application/x-www-form-urlencoded."""
+    body = json.dumps({"messages": ASK, "max_tokens": 2})
+    for path in ("/v1/chat/completions", "/v1/messages"):
+        r = httpx.post(f"{server}{path}", content=body, timeout=30, headers={
+            "Authorization": f"Bearer {KEY}", "Content-Type": "application/x-www-form-urlencoded"})
+        assert r.status_code == 400, r.text
+        assert "Content-Type: application/json" in r.json()["error"]["message"]
+    r = httpx.post(f"{server}/v1/chat/completions", content="[1, 2]", timeout=30, headers={
+        "Authorization": f"Bearer {KEY}", "Content-Type": "application/json"})  # JSON, the wrong shape
+    assert r.status_code == 400 and "Content-Type" not in r.json()["error"]["message"]
+
+
 def test_an_image_is_refused_as_not_supported(server):
     image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw0KGgo="}}
     r = post(server, "/v1/chat/completions", {"messages": [{"role": "user", "content": [image]}]}, KEY)

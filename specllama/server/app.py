@@ -189,7 +189,13 @@ def _error_handlers(app: FastAPI) -> None:
     @app.exception_handler(RequestValidationError)
     async def bad_body(request: Request, e: RequestValidationError) -> JSONResponse:
         first = e.errors()[0] if e.errors() else {}
-        if first.get("type") == "json_invalid":
+        content_type = request.headers.get("content-type", "")
+        if tuple(first.get("loc", ())) == ("body",) and content_type and not _is_json(content_type):
+            # curl -d without -H sends application/x-www-form-urlencoded: FastAPI then reads no JSON
+            error = ApiError(400, f"the request body must be JSON sent with Content-Type: application/json, "
+                             f"not {content_type!r} (curl: add -H 'Content-Type: application/json')",
+                             code="invalid_content_type")
+        elif first.get("type") == "json_invalid":
             error = ApiError(400, "the request body is not valid JSON", code="invalid_json")
         else:
             param = ".".join(str(part) for part in first.get("loc", ()) if part != "body") or None
@@ -208,6 +214,12 @@ def _error_handlers(app: FastAPI) -> None:
     @app.exception_handler(Exception)
     async def internal_error(request: Request, e: Exception) -> JSONResponse:
         return from_library(e).response(api_of(request.url.path))  # logs the traceback
+
+
+def _is_json(content_type: str) -> bool:
+    """What FastAPI parses as a JSON body: application/json or application/*+json, any parameters."""
+    kind = content_type.split(";")[0].strip().lower()
+    return kind == "application/json" or (kind.startswith("application/") and kind.endswith("+json"))
 
 
 def _shared_routes(app: FastAPI, server: Server) -> None:
