@@ -232,7 +232,9 @@ class SpecLlama(LlamaApi, BatchApi):
         constraint = self._constraint(o.grammar, o.json_schema, o.logit_bias,
                                       Penalties(o.repeat_penalty, o.frequency_penalty, o.presence_penalty,
                                                 o.penalty_last_n))
-        return Request(prompt, sampling, o.max_tokens, o.seed, tuple(o.stop or ()),
+        # None: the most the context holds (every token decoded into it, and one more sampled after)
+        max_tokens = self.target.n_ctx - len(prompt) + 1 if o.max_tokens is None else o.max_tokens
+        return Request(prompt, sampling, max_tokens, o.seed, tuple(o.stop or ()),
                        self.n_draft if o.n_draft is None else check_n_draft(o.n_draft),
                        self.level if o.exact is None else parse_level(o.exact), constraint, o.logprobs,
                        self.tree if o.tree is None else self._check_tree(o.tree))

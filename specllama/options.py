@@ -20,7 +20,8 @@ class GenerateOptions:
     """How to generate.
 
     Attributes:
-        max_tokens: most tokens to generate.
+        max_tokens: most tokens to generate; None: until the text ends or the context is full
+            (llama-cpp-python's max_tokens=None, llama.cpp's -n -1).
         temperature, top_k, top_p, min_p: sampling (llama.cpp's order: top_k, top_p, min_p,
             then temperature); temperature 0 is greedy.
         seed: seed of the numpy Generator used for sampling (same seed, same output).
@@ -36,7 +37,7 @@ class GenerateOptions:
         logprobs: None, or alternatives per token (0..20) to report with each token's logprob.
     """
 
-    max_tokens: int = 256
+    max_tokens: Optional[int] = 256
     temperature: float = 0.0
     top_k: int = 40
     top_p: float = 0.95
@@ -56,8 +57,10 @@ class GenerateOptions:
     logprobs: Optional[int] = None
 
     def __post_init__(self) -> None:
-        if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:
-            raise InvalidParameterError("max_tokens", self.max_tokens, "an integer >= 1")
+        if self.max_tokens is not None and (isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int)
+                                            or self.max_tokens < 1):
+            raise InvalidParameterError("max_tokens", self.max_tokens,
+                                        "an integer >= 1, or None for as many as the context holds")
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0):
             raise InvalidParameterError("seed", self.seed, "an integer >= 0, or None for a random seed")
         stops = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 
 import pytest
 
@@ -89,7 +92,7 @@ BAD_CALLS = [
     (dict(temperature=-1.0), InvalidParameterError, "temperature=-1.0"),
     (dict(top_p=0.0), InvalidParameterError, r"top_p=0\.0 .* \(0, 1\]"),
     (dict(top_p=1.5), InvalidParameterError, "top_p=1.5"),
-    (dict(max_tokens=0), InvalidParameterError, "max_tokens=0 .* >= 1"),
+    (dict(max_tokens=0), InvalidParameterError, "max_tokens=0 .* >= 1, or None"),
     (dict(max_tokens=2.5), InvalidParameterError, "max_tokens=2.5"),
     (dict(seed=-3), InvalidParameterError, "seed=-3"),
     (dict(stop=[""]), InvalidParameterError, "stop="),
@@ -138,10 +141,25 @@ def test_context_fills_up_with_length(model_paths):
         n_ctx = llm.target.n_ctx  # llama.cpp rounds n_ctx up to its padding
         assert n_ctx < 512
         assert len(prompt) + len(r.tokens) == n_ctx + 1
+        # max_tokens=None (llama-cpp-python's spelling): as many as the context holds, the same tokens
+        assert llm.generate(prompt, max_tokens=None).tokens == r.tokens
         with pytest.raises(PromptTooLongError):
             llm.generate(prompt * 100)
         exact_fit = (prompt * 100)[:n_ctx]
         assert len(llm.generate(exact_fit, max_tokens=5).tokens) == 1
+
+
+@pytest.mark.children
+def test_run_n_minus_one_generates_until_the_context_is_full(model_paths):
+    """llama.cpp's -n -1; the default of 256 would stop first at this context (512 cells)."""
+    out = subprocess.run([sys.executable, "-m", "specllama", "run", str(model_paths["smollm2"]), "1, 2, 3, 4,",
+                          "--raw", "-n", "-1", "-c", "512", "--draft", "none", "--threads",
+                          str(SETTINGS["n_threads"]), "--json"], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    result = json.loads(out.stdout)
+    assert result["settings"]["max_tokens"] is None
+    assert result["finish_reason"] == "length"  # counting on: the context filled, past 256 tokens
+    assert result["stats"]["n_prompt"] + len(result["tokens"]) == result["settings"]["n_ctx"] + 1
 
 
 def test_a_context_too_small_to_probe_decodes_plainly(model_paths, plain):

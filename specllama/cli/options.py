@@ -89,7 +89,8 @@ MODEL_OPTIONS = [
 # how to generate: GenerateOptions' fields, their defaults taken from it
 GENERATION_OPTIONS = [
     Opt("max_tokens", ("--max-tokens", "-n", "--n-predict"), dict(
-        type=int, default=_GEN["max_tokens"], show_default=True, help="Most tokens to generate.")),
+        type=int, default=_GEN["max_tokens"], show_default=True,
+        help="Most tokens to generate (-1: until the text ends or the context is full).")),
     Opt("temperature", ("--temp", "--temperature"), dict(type=float, default=_GEN["temperature"], show_default=True,
                                                          help="0 = greedy.")),
     Opt("top_k", ("--top-k",), dict(type=int, default=_GEN["top_k"], show_default=True)),
@@ -251,6 +252,8 @@ def build_generation(values: dict) -> GenerateOptions:
         except ValueError as e:
             raise click.BadParameter(f"not a JSON schema: {e}", param_hint="--json-schema") from None
     values["stop"] = list(values.get("stop") or ())
+    if isinstance(values.get("max_tokens"), int) and values["max_tokens"] < 0:
+        values["max_tokens"] = None  # llama.cpp's -n -1: until the text ends or the context is full
     try:
         return GenerateOptions.of(values)
     except InvalidParameterError as e:  # named as the command line spells it
