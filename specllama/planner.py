@@ -153,7 +153,7 @@ class Planner:
         if not isinstance(policy, Controller):
             return
         for greedy, acceptance in self._acceptance.items():
-            if acceptance is policy.draft_acceptance and self.draft is not None \
+            if acceptance is policy.draft_acceptance.pair and self.draft is not None \
                     and acceptance.n_judged != self._n_judged_kept[greedy]:  # something new was judged
                 records.write(acceptance_key(self.target, self.draft, greedy), acceptance.record(), "live rounds")
                 self._n_judged_kept[greedy] = acceptance.n_judged

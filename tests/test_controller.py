@@ -392,6 +392,26 @@ def test_a_shared_acceptance_carries_over_to_the_next_generation():
     assert second.draft_acceptance.predict(0.35) > 0.9 > Acceptance().predict(0.35)
 
 
+def test_generations_at_once_share_the_calibration_but_each_keeps_its_text_s_mean():
+    """Two requests side by side on one pair: prose whose drafts the target rejects beside
+    code it accepts. Each plans from its own text's acceptance; the pair's confidence
+    calibration and record learn from both; the next generation starts from the last text's."""
+    acc = Acceptance()
+    code = controller(MEMORY_BOUND, acceptance=acc)
+    prose = controller(MEMORY_BOUND, acceptance=acc)
+    for _ in range(30):  # interleaved rounds, as lanes' rounds are
+        code.draft_acceptance.age()
+        code.draft_acceptance.observe([0.6] * 4, 4)
+        prose.draft_acceptance.age()
+        prose.draft_acceptance.observe([0.6] * 4, 0)
+    assert code.draft_acceptance.mean() > 0.85 and prose.draft_acceptance.mean() < 0.35
+    assert code.draft_acceptance.predict(0.6) == prose.draft_acceptance.predict(0.6) == acc.predict(0.6)
+    assert acc.n_judged == 30 * (4 + 1) and 0.7 < acc.long_run() < 0.9  # 4 of 5 judged proposals accepted
+    after = controller(MEMORY_BOUND, acceptance=acc)  # prose's rounds came last: its mean, worth w tokens
+    assert after.draft_acceptance.mean_seen == pytest.approx(acc.w)
+    assert after.draft_acceptance.mean() < code.draft_acceptance.mean()
+
+
 def test_fixed_draft_respects_caps_and_sources():
     assert FixedDraft(8).plan(3, 0, 0) == ("draft", 3)
     assert FixedDraft(2).plan(10, 0, 0) == ("draft", 2)
@@ -709,3 +729,19 @@ def test_hoping_for_a_draft_that_loses_costs_a_few_percent():
                             n_tokens=4096)
         rate, _ = simulate(policy, LONG_F16_CPU, constant(0.75, confidence=0.9), 300, seed=seed, clock=clock)
         assert rate * LONG_F16_CPU.v(1) >= 0.95, (seed, rate * LONG_F16_CPU.v(1))
+
+
+def test_a_new_process_explores_the_draft_alone_but_beside_other_lanes_plans_on_the_record():
+    """A record of 30% (prose) read by a new process: a request alone tries the draft anyway
+    (optimism before N_EXPLORE judged drafts); a request beside three others plans on the
+    record, since the draft's prefill an explorer starts stalls every lane's pass."""
+    acc = Acceptance()
+    for i in range(300):
+        acc.observe([0.6] * 3, 1 if i % 5 < 2 else 0)  # 2 of 7 judged drafts accepted
+    record = Acceptance.from_record(acc.record())
+    assert record.n_judged == 0 and record.long_run() < 0.5
+    alone = Controller(OnlineCosts(F16_CPU, frozen=True), 8, has_draft=True, lookup=False, acceptance=record)
+    assert alone.plan(8, 0, 0, lag=(40, True))[0] == "draft"
+    beside = Controller(OnlineCosts(F16_CPU, frozen=True), 8, has_draft=True, lookup=False, acceptance=record)
+    beside.load(3, 4, None)  # the pass holds a row of each of 3 other lanes
+    assert beside.plan(8, 0, 0, lag=(40, True))[0] == "none"

@@ -94,8 +94,9 @@ def test_only_unseeded_generations_share_what_the_controller_learned(pair):
         return pair.planner._policy(pair._request(pair.tokenize("hi"), options))
 
     greedy, greedy_again, sampled = policy(False, True), policy(False, True), policy(False, False)
-    assert greedy.draft_acceptance is greedy_again.draft_acceptance and greedy.costs is sampled.costs
-    assert sampled.draft_acceptance is not greedy.draft_acceptance
+    assert greedy.draft_acceptance.pair is greedy_again.draft_acceptance.pair and greedy.costs is sampled.costs
+    assert greedy.draft_acceptance is not greedy_again.draft_acceptance  # each text's mean its own
+    assert sampled.draft_acceptance.pair is not greedy.draft_acceptance.pair
     seeded = policy(True, False)
-    assert seeded.draft_acceptance not in (greedy.draft_acceptance, sampled.draft_acceptance)
+    assert seeded.draft_acceptance.pair not in (greedy.draft_acceptance.pair, sampled.draft_acceptance.pair)
     assert seeded.costs.frozen and not greedy.costs.frozen

@@ -129,12 +129,16 @@ class Acceptance:
             self.mean_seen = self.w
 
     def age(self) -> None:
+        self.age_calibration()
+        self.mean_hits *= self.mean_decay
+        self.mean_seen *= self.mean_decay
+
+    def age_calibration(self) -> None:
+        """The confidence bins' decay, per round of any generation of the pair."""
         if self._siblings is not None:
             self._siblings.age()
         self.hits *= self.decay
         self.seen *= self.decay
-        self.mean_hits *= self.mean_decay
-        self.mean_seen *= self.mean_decay
         self._table = None
 
     def observe(self, confidences: Sequence[float], n_accepted: int) -> None:
@@ -143,20 +147,88 @@ class Acceptance:
         for i, c in enumerate(confidences[:n_judged]):
             self.judge(c, i < n_accepted, proposed=True)
 
-    def judge(self, confidence: float, accepted: bool, *, proposed: bool) -> None:
+    def judge(self, confidence: float, accepted: bool, *, proposed: bool, text: bool = True) -> None:
         """One judged draft token. A token the draft dropped (not proposed) but whose position
         the round reached is judged too, against the target's own token there: without it the
-        low-confidence bins would never learn, since low confidence is where drafting stops."""
+        low-confidence bins would never learn, since low confidence is where drafting stops.
+        text=False: a TextAcceptance keeps the text's mean itself."""
         b = bisect.bisect_right(CONFIDENCE_EDGES, confidence)
         self.n_judged += 1
         self.seen[b] += 1
         self.hits[b] += accepted
         self._table = None
         if proposed:
-            self.mean_seen += 1
-            self.mean_hits += accepted
+            if text:
+                self.mean_seen += 1
+                self.mean_hits += accepted
             self.long_seen = self.long_seen * LONG_RUN_DECAY + 1
             self.long_hits = self.long_hits * LONG_RUN_DECAY + accepted
+
+
+class TextAcceptance:
+    """One generation's view of its pair's Acceptance. The confidence calibration, the long-run
+    record and the count of judged drafts are the pair's, learned from every generation,
+    concurrent ones included; the mean acceptance of the text's drafts is this generation's
+    own. Shared, a request beside others planned from their texts' drafts (one lane's prose
+    rejections sank another's code mean) and every lane's start weakened the others' means.
+    A generation starts from the pair's last text's mean as a prior worth w tokens, as a
+    chat's next turn did before, and leaves its own there for the next."""
+
+    def __init__(self, pair: Acceptance):
+        self.pair, self.w, self.mean_decay = pair, pair.w, pair.mean_decay
+        shrink = min(1.0, self.w / pair.mean_seen) if pair.mean_seen > 0 else 1.0
+        self.mean_hits, self.mean_seen = pair.mean_hits * shrink, pair.mean_seen * shrink
+
+    @property
+    def n_judged(self) -> int:
+        return self.pair.n_judged
+
+    @property
+    def siblings(self) -> Acceptance:
+        return self.pair.siblings
+
+    def predict(self, confidence: float) -> float:
+        return self.pair.predict(confidence)
+
+    def long_run(self) -> float:
+        return self.pair.long_run()
+
+    def mean(self, prior: Optional[float] = None) -> float:
+        """This text's acceptance, leaning on prior (default: the pair's long run) while few
+        of its drafts were judged."""
+        prior = self.pair.long_run() if prior is None else prior
+        return (self.mean_hits + prior * self.w) / (self.mean_seen + self.w)
+
+    def hoped_mean(self) -> float:
+        """Acceptance.hoped_mean() on this text's mean: the standard error counts the pair's record."""
+        p = self.mean()
+        return min(1.0, p + RECORD_HOPE * math.sqrt(p * (1.0 - p) / (self.pair.long_seen + 2.0)))
+
+    def as_dict(self) -> dict:
+        return self.pair.as_dict()
+
+    def age(self) -> None:
+        """A round went by: the pair's calibration and this text's mean decay."""
+        self.pair.age_calibration()
+        self.mean_hits *= self.mean_decay
+        self.mean_seen *= self.mean_decay
+        self._leave()
+
+    def observe(self, confidences: Sequence[float], n_accepted: int) -> None:
+        n_judged = min(len(confidences), n_accepted + 1)
+        for i, c in enumerate(confidences[:n_judged]):
+            self.judge(c, i < n_accepted, proposed=True)
+
+    def judge(self, confidence: float, accepted: bool, *, proposed: bool) -> None:
+        self.pair.judge(confidence, accepted, proposed=proposed, text=False)
+        if proposed:
+            self.mean_seen += 1
+            self.mean_hits += accepted
+            self._leave()
+
+    def _leave(self) -> None:
+        """This text's mean as the pair's last (what the next generation starts from)."""
+        self.pair.mean_hits, self.pair.mean_seen = self.mean_hits, self.mean_seen
 
 
 def _non_decreasing(y: np.ndarray, weight: np.ndarray) -> np.ndarray:

@@ -55,7 +55,7 @@ import numpy as np
 
 from ..proposals import RoundOutcome
 from ..tree import Tree
-from .acceptance import N_EXPLORE, Acceptance
+from .acceptance import N_EXPLORE, Acceptance, TextAcceptance
 from ..limits import TREE_ROWS
 from .costs import OnlineCosts, shared_pass_costs
 
@@ -143,8 +143,8 @@ class Controller:
         self.costs, self.limit, self.clock, self.width = costs, limit, clock, width
         self.n_left = n_tokens
         self.has_draft, self.lookup = has_draft, lookup
-        self.draft_acceptance = acceptance if acceptance is not None else Acceptance()
-        self.draft_acceptance.new_text()
+        # the pair's calibration, shared by its generations; this text's own mean
+        self.draft_acceptance = TextAcceptance(acceptance if acceptance is not None else Acceptance())
         self.lookup_hits = np.zeros(5)  # by match length 2, 3, 4+ (index = min(n, 4))
         self.lookup_seen = np.zeros(5)
         self._v = costs.table(limit + TREE_ROWS)
@@ -208,8 +208,12 @@ class Controller:
             # answer's unsure opening, was rejected (a prior of 1 worth two tokens then sank
             # to 0.67, below what drafting needs on this CPU); a few rounds find out. After
             # that, hoping for RECORD_HOPE standard errors above the mean (greedy on it, an
-            # unlucky start kept a draft off that only drafting could renew)
-            untried = self.draft_acceptance.n_judged < N_EXPLORE
+            # unlucky start kept a draft off that only drafting could renew). Optimism is for
+            # a generation planning alone: beside other lanes the draft's prefill it starts
+            # stalls them all (8 requests at once in a new process each explored: 6 prefills
+            # of 0.4-1.0 s for drafts accepted at 30-40%), and with no record the hope alone
+            # lifts a pair to 1.0
+            untried = self.draft_acceptance.n_judged < N_EXPLORE and self._load[1] <= 1
             hope = 1.0 if untried else self.draft_acceptance.hoped_mean()
             draft_rate, _ = self._best_draft_rate(hope, k_cap, extra=extra)
         if self.lookup and n_lookup:
