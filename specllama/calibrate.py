@@ -364,16 +364,25 @@ def measure_costs(target: Model, draft: Optional[Drafter], max_verify: int = MAX
     finally:
         target.truncate(0)
     draft_repeats: list[float] = []
+    evidence: dict = {"v1_repeats": v1_repeats}
+    draft_batch = None
     if draft is not None:
         try:
-            draft.truncate(0)
-            draft.decode(context)
+            prefills = []  # the context at once: what the draft's prefill and catch-ups cost
+            for _ in range(2):
+                _step(stop)
+                draft.truncate(0)
+                t0 = time.perf_counter()
+                draft.decode(context)
+                prefills.append(time.perf_counter() - t0)
+            draft_batch = (len(context), min(prefills))
             _time_decode(draft, 64, probe, 1, 1, stop)
             draft_repeats = _time_decode(draft, 64, probe, 1, max(3, repeats), stop)
         finally:
             draft.truncate(0)
-    costs = Costs(verify, min(draft_repeats) if draft_repeats else 0.0)
-    return costs, {"v1_repeats": v1_repeats, "draft_repeats": draft_repeats}
+        evidence["draft_batch"] = list(draft_batch)
+    costs = Costs(verify, min(draft_repeats) if draft_repeats else 0.0, draft_batch)
+    return costs, {**evidence, "draft_repeats": draft_repeats}
 
 
 def quick_costs(target: Model, draft: Optional[Drafter]) -> tuple[list[float], Optional[list[float]]]:

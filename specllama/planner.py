@@ -95,7 +95,8 @@ class Planner:
         otherwise queue a measurement for idle time (and say why)."""
         record = records.read(costs_key(self.target, self.draft))
         problem = "not measured on this machine yet" if record is None else records.costs_problem(
-            record["verify"], record["draft_token"], record.get("v1_repeats", ()), record.get("draft_repeats", ()))
+            record["verify"], record["draft_token"], record.get("v1_repeats", ()), record.get("draft_repeats", ()),
+            records.draft_batch(record))
         if record is not None and problem is None:
             problem = self._stale(record)
             if problem is not None:
@@ -103,7 +104,8 @@ class Planner:
                          "when idle", self.target.name, problem)
         if problem is None:
             assert record is not None
-            self._costs, self.costs_record = Costs(tuple(record["verify"]), record["draft_token"]), record
+            self._costs = Costs(tuple(record["verify"]), record["draft_token"], records.draft_batch(record))
+            self.costs_record = record
         else:
             self.idle.add(Task("costs", self._measure_costs, what="the decode-cost curve", takes_context=True))
 
@@ -163,7 +165,9 @@ class Planner:
         log.info("%s: rounds measured one token at %.0f ms against %.0f ms in the cached curve; the curve now "
                  "follows the rounds", self.target.name, corrected.v(1) * 1e3, self._costs.v(1) * 1e3)
         self.costs_record = records.write(costs_key(self.target, self.draft),
-                                          records.costs_value(corrected.verify, corrected.draft_token),
+                                          records.costs_value(corrected.verify, corrected.draft_token, **(
+                                              {"draft_batch": list(corrected.draft_batch)}
+                                              if corrected.draft_batch else {})),
                                           "live rounds (the probed curve was off by more than 1.5x)")
         self._costs, self._online_costs = corrected, OnlineCosts(corrected)
 

@@ -46,7 +46,7 @@ def spread(values: Sequence[float]) -> float:
 
 
 def costs_problem(verify: Sequence[float], draft_token: float, v1_repeats: Sequence[float] = (),
-                  draft_repeats: Sequence[float] = ()) -> Optional[str]:
+                  draft_repeats: Sequence[float] = (), draft_batch: Optional[Sequence[float]] = None) -> Optional[str]:
     """Why a measured cost curve cannot be trusted, or None when it checks out: most repeated
     probes must be as fast as the fastest (else the machine was busy), a batch never costs far
     less than a smaller one, the curve's rows have no negative marginal cost, and its one-token cost agrees with
@@ -57,6 +57,9 @@ def costs_problem(verify: Sequence[float], draft_token: float, v1_repeats: Seque
         return f"one-token decodes varied: their median took {spread(v1_repeats):.1f}x the fastest"
     if draft_repeats and spread(draft_repeats) > STABLE:
         return f"draft steps varied: their median took {spread(draft_repeats):.1f}x the fastest"
+    if draft_batch is not None and draft_token > 0 and not draft_token < draft_batch[1] < draft_batch[0] * draft_token:
+        return (f"the draft decoded {draft_batch[0]:.0f} tokens at once in {draft_batch[1] * 1e3:.0f} ms, against "
+                f"{draft_token * 1e3:.0f} ms for one")
     for n in range(1, len(verify)):
         if verify[n] < verify[n - 1] * MONOTONE:
             return (f"a batch of {n + 1} timed {verify[n] * 1e3:.0f} ms, below {verify[n - 1] * 1e3:.0f} ms for "
@@ -95,6 +98,19 @@ def describe(record: Optional[dict]) -> str:
     if record is None:
         return "not measured yet"
     return f"measured {record.get('measured_at', 'at an unknown time')} ({record.get('how', 'unknown')})"
+
+
+def draft_batch(record: dict) -> Optional[tuple[int, float]]:
+    """The record's timed draft batch (n tokens, seconds), or None where it has none or a bad one
+    (records written before it was measured)."""
+    value = record.get("draft_batch")
+    if not isinstance(value, (list, tuple)) or len(value) != 2:
+        return None
+    try:
+        n, seconds = int(value[0]), float(value[1])
+    except (TypeError, ValueError):
+        return None
+    return (n, seconds) if n >= 2 and 0 < seconds < 600 else None
 
 
 def costs_value(verify: Sequence[float], draft_token: float, **evidence: Any) -> dict:

@@ -463,6 +463,38 @@ def test_catching_the_draft_up_after_lookup_is_paid_once_as_one_batch():
     assert policy(256).lag_cost(400, True) < policy(256).lag_cost(400, False)
 
 
+def test_the_draft_s_prefill_is_priced_from_its_own_timed_batch():
+    """A compute-bound draft beside a memory-bound target (the Q4_K_M 0.5B beside the F16
+    1.5B here): scaled by the target's curve, 80 tokens at once priced at 3x one step, where
+    the calibration's timed 64-token batch says 17x; without a timed batch, as before."""
+    timed = Costs(F16_CPU.verify, 0.020, draft_batch=(64, 0.350))
+    costs = OnlineCosts(timed, frozen=True)
+    per_token = (0.350 - 0.020) / 63
+    assert costs.catch_up(64) == pytest.approx(0.350)
+    assert costs.catch_up(80) == pytest.approx(0.020 + 79 * per_token)
+    assert costs.catch_up(3) - costs.catch_up(1) == pytest.approx(2 * per_token)
+    untimed = OnlineCosts(Costs(F16_CPU.verify, 0.020), frozen=True)
+    assert untimed.catch_up(80) == pytest.approx(0.020 * F16_CPU.v(80) / F16_CPU.v(1))
+    # beside two other lanes, 60 tokens from its end, a 160-token prefill priced as timed does
+    # not repay (where it was priced at a fifth of that, it was started)
+    policies = [Controller(OnlineCosts(c, frozen=True), 8, has_draft=True, lookup=False, n_tokens=60)
+                for c in (timed, Costs(F16_CPU.verify, 0.020))]
+    for p in policies:
+        for _ in range(20):
+            p.draft_acceptance.observe([0.9] * 8, 6)
+        p.load(2, 3, None)
+    assert [p.plan(8, 0, 0, lag=(160, True))[0] for p in policies] == ["none", "draft"]
+
+
+def test_a_record_s_draft_batch_is_read_where_valid():
+    from specllama import records
+
+    assert records.draft_batch({"draft_batch": [64, 0.35]}) == (64, 0.35)
+    for bad in (None, [64], [1, 0.3], [64, -1.0], [64, float("nan")], ["x", 0.3], 7):
+        assert records.draft_batch({"draft_batch": bad}) is None
+    assert records.draft_batch({}) is None  # written before the batch was timed
+
+
 def test_siblings_pay_for_their_rows_only_where_picked_often_enough():
     policy = Controller(OnlineCosts(F16_CPU, frozen=True), 8, has_draft=True, lookup=False, width=3)
     for _ in range(2):

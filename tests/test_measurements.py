@@ -74,10 +74,15 @@ def test_calibrate_writes_what_run_then_uses(model_paths, home):
                 written = records.read(calibrate.costs_key(llm.target, llm.draft))
                 assert written is not None and written["how"] == "specllama calibrate", n_ctx  # the key run reads
                 record, pending, known = llm.planner.costs_record, llm.idle.pending(), llm.batch_diffs.known(0)
+                costs = llm.planner._costs
             if record is not None:
                 break
         assert record is not None and record["how"] == "specllama calibrate", n_ctx
         assert pending == [] and known is not None, (n_ctx, pending)
+        # the draft's own batch, timed: its prefill and catch-ups are priced from it
+        n_batch, seconds = record["draft_batch"]
+        assert costs is not None and costs.draft_batch == (n_batch, seconds) and n_batch >= 32
+        assert record["draft_token"] < seconds < n_batch * record["draft_token"]
 
 
 def test_a_request_at_a_kv_length_never_measured_runs_no_probe(model_paths, home, plain, monkeypatch):

@@ -25,6 +25,13 @@ def test_repeats_that_disagree_say_the_machine_was_busy():
     assert "draft" in records.costs_problem(QUIET, 0.012, [0.035] * 3, [0.012, 3.2, 0.03])
 
 
+def test_a_draft_batch_cheaper_than_one_step_or_dearer_than_its_steps_is_refused():
+    assert records.costs_problem(QUIET, 0.012, draft_batch=[64, 0.2]) is None
+    for seconds in (0.010, 64 * 0.012):
+        why = records.costs_problem(QUIET, 0.012, draft_batch=[64, seconds])
+        assert why is not None and "64 tokens at once" in why
+
+
 def test_one_slow_repeat_is_a_spike_not_a_busy_machine():
     assert records.costs_problem(QUIET, 0.012, [0.035, 0.978, 0.036], [0.012, 0.05, 0.012]) is None
 

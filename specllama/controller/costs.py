@@ -19,6 +19,7 @@ class Costs:
 
     verify: tuple[float, ...]
     draft_token: float
+    draft_batch: Optional[tuple[int, float]] = None  # (n, seconds): the draft decoding n tokens at once
 
     def v(self, n: int) -> float:
         if n <= len(self.verify):
@@ -114,17 +115,27 @@ class OnlineCosts:
             self._catch_up.append(seconds / self._draft_batch(n_tokens))
 
     def catch_up(self, n_tokens: int) -> float:
-        """Seconds for the draft to decode n_tokens in one batch: its one-token cost scaled by
-        the target's calibrated batch curve, times the median of what catch-ups measured
-        against that. A batch's cost grows far slower than its size (on our CPU the 0.5B
-        draft decodes 48 tokens at once in 12x its one-token time, the 1.5B target in 14x),
-        so a cost per token measured on the usual 2-token catch-ups would price a 48-token
-        one at nearly three times its time."""
+        """Seconds for the draft to decode n_tokens in one batch (_draft_batch), times the
+        median of what catch-ups measured against that. A batch's cost grows far slower than
+        its size (on our CPU the 0.5B draft decodes 48 tokens at once in 12x its one-token
+        time), so a cost per token measured on the usual 2-token catch-ups would price a
+        48-token one at nearly three times its time."""
         ratio = statistics.median(self._catch_up) if self._catch_up else 1.0
         return self._draft_batch(n_tokens) * ratio
 
     def _draft_batch(self, n_tokens: int) -> float:
-        return self.draft_token * self._shape.v(max(n_tokens, 1)) / self._shape.v(1)
+        """The calibration's figure for n_tokens at once: a line through the draft's one-token
+        step and its timed batch, where the calibration has one (the draft's own shape); else
+        its step scaled by the target's curve, which here read an 80-token prefill of the
+        Q4_K_M draft beside the F16 target at about 62 ms where it takes about 0.45 s (a
+        memory-bound target's curve rises far slower than a compute-bound draft's)."""
+        n = max(n_tokens, 1)
+        batch = self.seed.draft_batch
+        if batch is not None and self.seed.draft_token > 0:
+            n_batch, seconds = batch
+            per_token = max(0.0, seconds - self.seed.draft_token) / (n_batch - 1)
+            return self.draft_token * (1.0 + per_token * (n - 1) / self.seed.draft_token)
+        return self.draft_token * self._shape.v(n) / self._shape.v(1)
 
     def _fit(self) -> tuple[float, float, int, int]:
         """(intercept, slope, n_lo, n_hi) of the ratio line over measured sizes n_lo..n_hi."""
@@ -177,7 +188,7 @@ class OnlineCosts:
         if max(max(ratios), 1 / min(ratios)) <= factor:
             return None
         v = self.table(len(self.seed.verify))
-        return Costs(tuple(float(x) for x in v[1:]), self.draft_token)
+        return Costs(tuple(float(x) for x in v[1:]), self.draft_token, self.seed.draft_batch)
 
     def as_dict(self) -> dict:
         v = self.table(16)
