@@ -323,15 +323,15 @@ VERIFY_SIZES = (1, 2, 3, 4, 5, 6, 8, 12, 16)
 
 
 def _time_decode(runtime: Union[Model, Drafter], n_context: int, tokens: list[int], n: int, repeats: int,
-                 stop: Stop = never) -> list[float]:
-    """Each of repeats decodes of n tokens (all rows kept) on n_context cached ones, in seconds."""
+                 stop: Stop = never, all_rows: bool = True) -> list[float]:
+    """Each of repeats decodes of n tokens (all rows kept, or the last) on n_context cached ones, in seconds."""
     out = []
     for _ in range(repeats):
         _step(stop)
         runtime.truncate(n_context)
         t0 = time.perf_counter()
-        if n == 1:
-            runtime.decode(tokens[:1])
+        if n == 1 or not all_rows:
+            runtime.decode(tokens[:n])
         else:
             runtime.decode(tokens[:n], n_logits=n)  # type: ignore[call-arg]  # the target's
         out.append(time.perf_counter() - t0)
@@ -364,25 +364,17 @@ def measure_costs(target: Model, draft: Optional[Drafter], max_verify: int = MAX
     finally:
         target.truncate(0)
     draft_repeats: list[float] = []
-    evidence: dict = {"v1_repeats": v1_repeats}
-    draft_batch = None
+    draft_batch: Optional[tuple[int, float]] = None  # the context at once: the draft's prefills and catch-ups
     if draft is not None:
         try:
-            prefills = []  # the context at once: what the draft's prefill and catch-ups cost
-            for _ in range(2):
-                _step(stop)
-                draft.truncate(0)
-                t0 = time.perf_counter()
-                draft.decode(context)
-                prefills.append(time.perf_counter() - t0)
-            draft_batch = (len(context), min(prefills))
+            draft_batch = (len(context), min(_time_decode(draft, 0, context, len(context), 2, stop, all_rows=False)))
             _time_decode(draft, 64, probe, 1, 1, stop)
             draft_repeats = _time_decode(draft, 64, probe, 1, max(3, repeats), stop)
         finally:
             draft.truncate(0)
-        evidence["draft_batch"] = list(draft_batch)
     costs = Costs(verify, min(draft_repeats) if draft_repeats else 0.0, draft_batch)
-    return costs, {**evidence, "draft_repeats": draft_repeats}
+    return costs, {"v1_repeats": v1_repeats, "draft_repeats": draft_repeats,
+                   "draft_batch": list(draft_batch) if draft_batch else None}
 
 
 def quick_costs(target: Model, draft: Optional[Drafter]) -> tuple[list[float], Optional[list[float]]]:
