@@ -94,9 +94,10 @@ class Planner:
         """At load: take the cached curve if it is plausible and live decodes agree with it;
         otherwise queue a measurement for idle time (and say why)."""
         record = records.read(costs_key(self.target, self.draft))
+        draft_batch = None if record is None else records.draft_batch(record)
         problem = "not measured on this machine yet" if record is None else records.costs_problem(
             record["verify"], record["draft_token"], record.get("v1_repeats", ()), record.get("draft_repeats", ()),
-            records.draft_batch(record))
+            draft_batch)
         if record is not None and problem is None:
             problem = self._stale(record)
             if problem is not None:
@@ -104,7 +105,7 @@ class Planner:
                          "when idle", self.target.name, problem)
         if problem is None:
             assert record is not None
-            self._costs = Costs(tuple(record["verify"]), record["draft_token"], records.draft_batch(record))
+            self._costs = Costs(tuple(record["verify"]), record["draft_token"], draft_batch)
             self.costs_record = record
         else:
             self.idle.add(Task("costs", self._measure_costs, what="the decode-cost curve", takes_context=True))

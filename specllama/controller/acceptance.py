@@ -71,8 +71,7 @@ class Acceptance:
     def mean(self, prior: Optional[float] = None) -> float:
         """Acceptance of the tokens that were drafted lately, whatever their confidence; prior:
         what it leans on while few were (default: the pair's long-run acceptance)."""
-        prior = self.long_run() if prior is None else prior
-        return (self.mean_hits + prior * self.w) / (self.mean_seen + self.w)
+        return _leaning(self.mean_hits, self.mean_seen, self.long_run() if prior is None else prior, self.w)
 
     def long_run(self) -> float:
         """Acceptance of the pair's last few hundred proposed drafts (0.6 before any)."""
@@ -86,8 +85,7 @@ class Acceptance:
         answers at 0.86, and a start of 5 accepted of 7 kept whole answers plain. The hope
         shrinks as drafts are judged (at 0.8: 0.19 after 8, 0.06 after 100, 0.04 at the decayed
         count's ceiling of 200), so a draft that really loses stops after a few dozen of them."""
-        p = self.mean()
-        return min(1.0, p + RECORD_HOPE * math.sqrt(p * (1.0 - p) / (self.long_seen + 2.0)))
+        return _hoped(self.mean(), self.long_seen)
 
     def as_dict(self) -> dict:
         """The predicted acceptance from each confidence edge up, with the tokens behind it."""
@@ -124,9 +122,7 @@ class Acceptance:
 
     def new_text(self) -> None:
         """A new generation: the last text's mean acceptance stays only as a prior worth w tokens."""
-        if self.mean_seen > self.w:
-            self.mean_hits *= self.w / self.mean_seen
-            self.mean_seen = self.w
+        self.mean_hits, self.mean_seen = _shrunk(self.mean_hits, self.mean_seen, self.w)
 
     def age(self) -> None:
         self.age_calibration()
@@ -143,9 +139,8 @@ class Acceptance:
 
     def observe(self, confidences: Sequence[float], n_accepted: int) -> None:
         """A round's drafts with their confidences; the target judged up to the first rejection."""
-        n_judged = min(len(confidences), n_accepted + 1)
-        for i, c in enumerate(confidences[:n_judged]):
-            self.judge(c, i < n_accepted, proposed=True)
+        for c, accepted in _judged(confidences, n_accepted):
+            self.judge(c, accepted, proposed=True)
 
     def judge(self, confidence: float, accepted: bool, *, proposed: bool, text: bool = True) -> None:
         """One judged draft token. A token the draft dropped (not proposed) but whose position
@@ -176,8 +171,7 @@ class TextAcceptance:
 
     def __init__(self, pair: Acceptance):
         self.pair, self.w, self.mean_decay = pair, pair.w, pair.mean_decay
-        shrink = min(1.0, self.w / pair.mean_seen) if pair.mean_seen > 0 else 1.0
-        self.mean_hits, self.mean_seen = pair.mean_hits * shrink, pair.mean_seen * shrink
+        self.mean_hits, self.mean_seen = _shrunk(pair.mean_hits, pair.mean_seen, self.w)
 
     @property
     def n_judged(self) -> int:
@@ -196,13 +190,11 @@ class TextAcceptance:
     def mean(self, prior: Optional[float] = None) -> float:
         """This text's acceptance, leaning on prior (default: the pair's long run) while few
         of its drafts were judged."""
-        prior = self.pair.long_run() if prior is None else prior
-        return (self.mean_hits + prior * self.w) / (self.mean_seen + self.w)
+        return _leaning(self.mean_hits, self.mean_seen, self.pair.long_run() if prior is None else prior, self.w)
 
     def hoped_mean(self) -> float:
         """Acceptance.hoped_mean() on this text's mean: the standard error counts the pair's record."""
-        p = self.mean()
-        return min(1.0, p + RECORD_HOPE * math.sqrt(p * (1.0 - p) / (self.pair.long_seen + 2.0)))
+        return _hoped(self.mean(), self.pair.long_seen)
 
     def as_dict(self) -> dict:
         return self.pair.as_dict()
@@ -215,9 +207,8 @@ class TextAcceptance:
         self._leave()
 
     def observe(self, confidences: Sequence[float], n_accepted: int) -> None:
-        n_judged = min(len(confidences), n_accepted + 1)
-        for i, c in enumerate(confidences[:n_judged]):
-            self.judge(c, i < n_accepted, proposed=True)
+        for c, accepted in _judged(confidences, n_accepted):
+            self.judge(c, accepted, proposed=True)
 
     def judge(self, confidence: float, accepted: bool, *, proposed: bool) -> None:
         self.pair.judge(confidence, accepted, proposed=proposed, text=False)
@@ -229,6 +220,26 @@ class TextAcceptance:
     def _leave(self) -> None:
         """This text's mean as the pair's last (what the next generation starts from)."""
         self.pair.mean_hits, self.pair.mean_seen = self.mean_hits, self.mean_seen
+
+
+def _judged(confidences: Sequence[float], n_accepted: int) -> list[tuple[float, bool]]:
+    """A round's drafts the target judged (up to its first rejection), each with its verdict."""
+    return [(c, i < n_accepted) for i, c in enumerate(confidences[:min(len(confidences), n_accepted + 1)])]
+
+
+def _leaning(hits: float, seen: float, prior: float, w: float) -> float:
+    """hits / seen, leaning on prior with the weight of w tokens."""
+    return (hits + prior * w) / (seen + w)
+
+
+def _hoped(p: float, long_seen: float) -> float:
+    """p plus RECORD_HOPE standard errors, counting long_seen judged drafts."""
+    return min(1.0, p + RECORD_HOPE * math.sqrt(p * (1.0 - p) / (long_seen + 2.0)))
+
+
+def _shrunk(hits: float, seen: float, w: float) -> tuple[float, float]:
+    """A mean's counts shrunk to at most w tokens' worth (the last text's, for a new one)."""
+    return (hits * w / seen, w) if seen > w else (hits, seen)
 
 
 def _non_decreasing(y: np.ndarray, weight: np.ndarray) -> np.ndarray:
