@@ -92,7 +92,8 @@ class Planner:
 
     def check_cached_costs(self) -> None:
         """At load: take the cached curve if it is plausible and live decodes agree with it;
-        otherwise queue a measurement for idle time (and say why)."""
+        otherwise queue a measurement for idle time (and say why). A curve without the draft's
+        timed batch is used meanwhile, and measured again when idle."""
         record = records.read(costs_key(self.target, self.draft))
         draft_batch = None if record is None else records.draft_batch(record)
         problem = "not measured on this machine yet" if record is None else records.costs_problem(
@@ -107,8 +108,15 @@ class Planner:
             assert record is not None
             self._costs = Costs(tuple(record["verify"]), record["draft_token"], draft_batch)
             self.costs_record = record
-        else:
-            self.idle.add(Task("costs", self._measure_costs, what="the decode-cost curve", takes_context=True))
+            if self.draft is None or draft_batch is not None:
+                return
+            # written before the draft's batch was timed: until it is, its prefills and catch-ups
+            # are priced by the target's curve, which read a 118-token prefill of the Q4_K_M
+            # draft beside the F16 target at about 87 ms where it took 0.55 s, and lanes beside
+            # other requests started prefills that stalled them all
+            log.info("%s: the cached decode costs predate timing the draft's batch; measuring them again when "
+                     "idle", self.target.name)
+        self.idle.add(Task("costs", self._measure_costs, what="the decode-cost curve", takes_context=True))
 
     def _stale(self, record: dict) -> Optional[str]:
         """Why live decodes disagree with a cached curve, or None; a disagreement is timed again

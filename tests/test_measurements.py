@@ -53,6 +53,27 @@ def test_a_curve_a_busy_machine_wrote_is_measured_again(model_paths, home, quiet
     assert stored["how"] == "probe while idle" and stored["verify"][0] < 0.5
 
 
+def test_a_curve_cached_before_the_draft_s_batch_was_timed_is_used_and_completed_when_idle(model_paths, home,
+                                                                                            quiet_process):
+    """A record an earlier version wrote has no draft batch: the draft's prefills would be priced
+    by the target's curve (a sixth of their time, F16 beside the 0.5B draft) for good."""
+    with load(model_paths) as llm:
+        key = calibrate.costs_key(llm.target, llm.draft)
+        assert llm.planner.costs(measure=True) is not None
+    record = records.read(key)
+    assert record is not None and records.draft_batch(record) is not None
+    older = {k: v for k, v in record.items() if k not in ("draft_batch", "how", "measured_at")}
+    records.write(key, older, "an earlier version")
+    with load(model_paths) as llm:
+        costs = llm.planner.costs()
+        assert costs is not None and costs.draft_batch is None  # used meanwhile: it is sound
+        assert "the decode-cost curve" in llm.idle.pending()
+        llm.warm_up()
+        costs = llm.planner.costs()
+        assert costs is not None and costs.draft_batch is not None
+    assert records.draft_batch(records.read(key)) is not None
+
+
 @pytest.mark.children
 def test_calibrate_writes_what_run_then_uses(model_paths, home):
     out = subprocess.run([sys.executable, "-m", "specllama", "calibrate", str(model_paths["target"]), "--draft",
