@@ -475,9 +475,9 @@ def test_the_draft_s_prefill_is_priced_from_its_own_timed_batch():
     assert costs.catch_up(3) - costs.catch_up(1) == pytest.approx(2 * per_token)
     untimed = OnlineCosts(Costs(F16_CPU.verify, 0.020), frozen=True)
     assert untimed.catch_up(80) == pytest.approx(0.020 * F16_CPU.v(80) / F16_CPU.v(1))
-    # beside two other lanes, 60 tokens from its end, a 160-token prefill priced as timed does
+    # beside two other lanes, 120 tokens from its end, a 160-token prefill priced as timed does
     # not repay (where it was priced at a fifth of that, it was started)
-    policies = [Controller(OnlineCosts(c, frozen=True), 8, has_draft=True, lookup=False, n_tokens=60)
+    policies = [Controller(OnlineCosts(c, frozen=True), 8, has_draft=True, lookup=False, n_tokens=120)
                 for c in (timed, Costs(F16_CPU.verify, 0.020))]
     for p in policies:
         for _ in range(20):
@@ -777,3 +777,26 @@ def test_a_new_process_explores_the_draft_alone_but_beside_other_lanes_plans_on_
     beside = Controller(OnlineCosts(F16_CPU, frozen=True), 8, has_draft=True, lookup=False, acceptance=record)
     beside.load(3, 4, None)  # the pass holds a row of each of 3 other lanes
     assert beside.plan(8, 0, 0, lag=(40, True))[0] == "none"
+
+
+def test_beside_other_lanes_a_draft_is_planned_on_its_mean_not_on_hope():
+    """Alone, a plan hopes for RECORD_HOPE standard errors above the mean (only drafting renews
+    it); beside other lanes a draft that loses costs every lane's pass while what it teaches
+    serves one, so a lane drafts only where its mean pays."""
+    def lane(n_hits: int) -> Controller:
+        acc = Acceptance()
+        for _ in range(2):
+            acc.observe([0.9] * 12, n_hits)
+        p = Controller(OnlineCosts(F16_CPU, frozen=True), 8, has_draft=True, lookup=False,
+                       acceptance=Acceptance.from_record(acc.record()))
+        for _ in range(4):
+            p.draft_acceptance.observe([0.9] * 12, n_hits)
+        p.load(3, 4, None)  # a row of each of 3 other lanes in the pass
+        return p
+
+    near, above = lane(6), lane(7)
+    assert near.draft_acceptance.mean() < above.draft_acceptance.mean() < near.draft_acceptance.hoped_mean()
+    assert above.plan(8, 0, 0)[0] == "draft"
+    assert near.plan(8, 0, 0)[0] == "none"  # its hope would have drafted: above's mean pays
+    near.load(0, 1, None)
+    assert near.plan(8, 0, 0)[0] == "draft"  # alone

@@ -208,13 +208,18 @@ class Controller:
             # answer's unsure opening, was rejected (a prior of 1 worth two tokens then sank
             # to 0.67, below what drafting needs on this CPU); a few rounds find out. After
             # that, hoping for RECORD_HOPE standard errors above the mean (greedy on it, an
-            # unlucky start kept a draft off that only drafting could renew). Optimism is for
-            # a generation planning alone: beside other lanes the draft's prefill it starts
-            # stalls them all (8 requests at once in a new process each explored: 6 prefills
-            # of 0.4-1.0 s for 79 drafts, 41% accepted), and with no record the hope alone
-            # lifts a pair to 1.0
-            untried = self.draft_acceptance.n_judged < N_EXPLORE and self._load[1] <= 1
-            hope = 1.0 if untried else self.draft_acceptance.hoped_mean()
+            # unlucky start kept a draft off that only drafting could renew). Hope is for a
+            # generation planning alone: beside other lanes a draft that loses costs every
+            # lane's pass (its prefill and steps stall them) while what it teaches serves one
+            # lane, so there it plans on the mean (8 requests at once in a new process each
+            # explored: 6 prefills of 0.4-1.0 s for 79 drafts, 41% accepted; with no record
+            # the hope alone lifts a pair to 1.0)
+            if self._load[1] > 1:
+                hope = self.draft_acceptance.mean()
+            elif self.draft_acceptance.n_judged < N_EXPLORE:
+                hope = 1.0
+            else:
+                hope = self.draft_acceptance.hoped_mean()
             draft_rate, _ = self._best_draft_rate(hope, k_cap, extra=extra)
         if self.lookup and n_lookup:
             rate, k = self._best_draft_rate(self.lookup_alpha(n_match), min(k_cap, n_lookup), c_d=0.0)
