@@ -800,3 +800,29 @@ def test_beside_other_lanes_a_draft_is_planned_on_its_mean_not_on_hope():
     assert near.plan(8, 0, 0)[0] == "none"  # its hope would have drafted: above's mean pays
     near.load(0, 1, None)
     assert near.plan(8, 0, 0)[0] == "draft"  # alone
+
+
+def test_a_generation_without_a_limit_prices_the_draft_s_prefill_over_its_expected_length():
+    """A client that sends no max_tokens leaves the context's thousands of tokens: priced over
+    them, a 2,880-token prefill of the draft (15 s here) looked free, and the first turn of a
+    chat over a long file waited for it to draft a short answer. At its start a generation is
+    expected to run EXPECTED_LENGTH tokens; one that has run g tokens about g more."""
+    from specllama.controller.policy import EXPECTED_LENGTH
+
+    timed = Costs(F16_CPU.verify, 0.020, draft_batch=(64, 0.350))
+
+    def policy(n_tokens: int) -> Controller:
+        p = Controller(OnlineCosts(timed, frozen=True), 8, has_draft=True, lookup=False, n_tokens=n_tokens)
+        for _ in range(20):
+            p.draft_acceptance.observe([0.9] * 8, 4)  # 80% accepted
+        return p
+
+    unlimited, limited = policy(30000), policy(EXPECTED_LENGTH)
+    assert unlimited.expected_left() == EXPECTED_LENGTH
+    assert unlimited.lag_cost(2880, True) == pytest.approx(limited.lag_cost(2880, True))
+    assert policy(100).expected_left() == 100  # within the limit
+    assert unlimited.plan(8, 0, 0, lag=(2880, True))[0] == "none"
+    assert unlimited.plan(8, 0, 0, lag=(60, True))[0] == "draft"  # a short prompt's prefill pays
+    unlimited.n_left -= 3000  # it has run 3,000 tokens: about as many more are expected
+    assert unlimited.expected_left() == 3000
+    assert unlimited.plan(8, 0, 0, lag=(2880, True))[0] == "draft"

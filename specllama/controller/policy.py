@@ -62,6 +62,10 @@ from .costs import OnlineCosts, shared_pass_costs
 EXPLORE_SHARE = 0.015  # of the modelled time of rounds without the draft, spent trying it again
 TRY_DRAFT = 2  # the most tokens such a try drafts
 CATCH_UP_HORIZON = 32  # tokens a catch-up is expected to serve before the draft is left behind again
+# tokens a generation is expected to run at its start where its limit allows more (GenerateOptions'
+# default max_tokens): a client that sends no max_tokens leaves thousands, over which any prefill
+# of the draft looked free
+EXPECTED_LENGTH = 256
 
 
 class Policy(Protocol):
@@ -141,7 +145,7 @@ class Controller:
                  acceptance: Optional[Acceptance] = None, clock: Callable[[], float] = time.perf_counter,
                  width: int = 1, n_tokens: int = 256):
         self.costs, self.limit, self.clock, self.width = costs, limit, clock, width
-        self.n_left = n_tokens
+        self.n_tokens, self.n_left = n_tokens, n_tokens
         self.has_draft, self.lookup = has_draft, lookup
         # the pair's calibration, shared by its generations; this text's own mean
         self.draft_acceptance = TextAcceptance(acceptance if acceptance is not None else Acceptance())
@@ -177,10 +181,17 @@ class Controller:
         of the generation for its prefill, at most CATCH_UP_HORIZON tokens for a catch-up
         (lookup or plain rounds may leave the draft behind again). Charged to one round in
         full, the lag would grow with every round without the draft and keep it off for the
-        rest of a generation it would have served."""
+        rest of a generation it would have served. The rest is what the limit leaves, or
+        expected_left() where that is less."""
         seconds = self._catch_up(n_lag)
-        horizon = self.n_left if prefill else min(self.n_left, CATCH_UP_HORIZON)
+        horizon = self.expected_left() if prefill else min(self.n_left, CATCH_UP_HORIZON)
         return seconds * min(1.0, (1.0 + self.draft_acceptance.mean()) / max(horizon, 1))
+
+    def expected_left(self) -> int:
+        """Tokens the generation is expected to bring still, within its limit: answers' lengths
+        are heavy-tailed, so one that has run g tokens is expected to run about g more, and at
+        its start about EXPECTED_LENGTH."""
+        return min(self.n_left, max(self.n_tokens - self.n_left, EXPECTED_LENGTH))
 
     def _catch_up(self, n_lag: int) -> float:
         """The draft's seconds to decode the n_lag tokens it is behind, beyond the one token
