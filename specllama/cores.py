@@ -1,12 +1,16 @@
-"""How much of this process's cores other processes use (Linux: /proc/stat). llama.cpp's
-threads wait for each other at every step, so one thread without a core of its own stalls them
-all: a measurement or a benchmark taken while other processes hold the cores times them too."""
+"""How much of this process's cores other processes use (Linux: /proc/stat, the CPUs this
+process may run on; macOS: the kernel's CPU load ticks over all cores). llama.cpp's threads wait
+for each other at every step, so one thread without a core of its own stalls them all: a
+measurement or a benchmark taken while other processes hold the cores times them too."""
 
 from __future__ import annotations
 
+import ctypes
+import functools
 import os
+import sys
 import time
-from typing import Optional
+from typing import Callable, Optional
 
 SPARE_CORES = 0.5  # other processes may use this much of the cores our threads need, beyond those left over
 
@@ -23,15 +27,59 @@ def busy_jiffies(proc_stat: str, cpus: set[int]) -> int:
     return total
 
 
+@functools.lru_cache(maxsize=1)
+def _mach_host_statistics() -> tuple[ctypes.CDLL, int]:
+    libc = ctypes.CDLL("/usr/lib/libSystem.dylib")
+    libc.mach_host_self.restype = ctypes.c_uint
+    libc.host_statistics.argtypes = [ctypes.c_uint, ctypes.c_int, ctypes.POINTER(ctypes.c_uint),
+                                     ctypes.POINTER(ctypes.c_uint)]
+    libc.host_statistics.restype = ctypes.c_int
+    return libc, libc.mach_host_self()
+
+
+def _mach_busy_ticks() -> Callable[[], int]:
+    """macOS: a reader of the clock ticks all CPUs spent busy (user, system, nice: all but idle),
+    from the kernel's HOST_CPU_LOAD_INFO, as top reads them. Its counters are 32-bit and wrap
+    (a 24-core machine in about 20 days), so the reader adds up differences modulo 2**32."""
+    libc, host = _mach_host_statistics()
+    last: list[int] = []
+    total = 0
+
+    def read() -> int:
+        nonlocal last, total
+        ticks, count = (ctypes.c_uint * 4)(), ctypes.c_uint(4)  # user system idle nice
+        if libc.host_statistics(host, 3, ticks, ctypes.byref(count)) != 0:  # 3: HOST_CPU_LOAD_INFO
+            raise OSError("host_statistics(HOST_CPU_LOAD_INFO) failed")
+        busy = [ticks[0], ticks[1], ticks[3]]
+        if last:
+            total += sum((b - a) % 2 ** 32 for a, b in zip(last, busy))
+        last = busy
+        return total
+    return read
+
+
+def _proc_stat_busy_ticks(cpus: set[int]) -> Callable[[], int]:
+    def read() -> int:
+        with open("/proc/stat") as f:
+            return busy_jiffies(f.read(), cpus)
+    return read
+
+
 class OtherProcesses:
     """Other processes' use of the cores this process may run on, from its making to a read.
-    Where it cannot be read (no /proc/stat: not Linux) every read says None."""
+    Where it cannot be read (neither Linux nor macOS) every read says None."""
 
     def __init__(self) -> None:
+        self._start: Optional[tuple[float, int, float]] = None
         try:
-            self._cpus = os.sched_getaffinity(0)
+            if sys.platform == "darwin":
+                self._cpus = set(range(os.cpu_count() or 1))  # no affinity there: every core
+                self._busy_ticks = _mach_busy_ticks()
+            else:
+                self._cpus = os.sched_getaffinity(0)
+                self._busy_ticks = _proc_stat_busy_ticks(self._cpus)
             self._hz = os.sysconf("SC_CLK_TCK")
-            self._start: Optional[tuple[float, int, float]] = self._sample()
+            self._start = self._sample()
         except (AttributeError, OSError, ValueError):
             self._start = None
 
@@ -40,8 +88,7 @@ class OtherProcesses:
         return len(self._cpus) if self._start is not None else os.cpu_count() or 1
 
     def _sample(self) -> tuple[float, int, float]:
-        with open("/proc/stat") as f:
-            return time.monotonic(), busy_jiffies(f.read(), self._cpus), sum(os.times()[:2])
+        return time.monotonic(), self._busy_ticks(), sum(os.times()[:2])
 
     def cores(self) -> Optional[float]:
         """The cores they used on average so far (this process's own threads left out)."""

@@ -96,8 +96,8 @@ def spinning_on_every_core() -> Iterator[None]:
     holding the cores, as a compile or a second benchmark would."""
     import subprocess
 
-    burners = [subprocess.Popen([sys.executable, "-c", "while True: pass"])
-               for _ in range(len(os.sched_getaffinity(0)))]
+    n_cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    burners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(n_cores)]
     try:
         yield
     finally:

@@ -7,7 +7,6 @@ import json
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 
@@ -194,8 +193,28 @@ def test_what_a_pairs_drafts_taught_is_kept_for_the_next_load(model_paths, home)
         assert kept[False].long_run() == 0.6 and kept[True].n_judged == 0
 
 
+READS_CORES = pytest.mark.skipif(sys.platform not in ("linux", "darwin"),
+                                 reason="reads /proc/stat (Linux) or the kernel's CPU ticks (macOS)")
+
+
 @pytest.mark.children
-@pytest.mark.skipif(not Path("/proc/stat").exists(), reason="reads /proc/stat (Linux)")
+@READS_CORES
+def test_other_processes_holding_the_cores_are_seen():
+    """Idle work waits while other processes hold the cores its threads need, and `bench` says
+    so (cores.py): on Linux from /proc/stat, on macOS (where it read nothing before, so idle
+    probes timed a busy Mac) from the kernel's CPU load ticks."""
+    from specllama.cores import SPARE_CORES, cores_used_by_others
+
+    quiet = cores_used_by_others(SETTINGS["n_threads"], window=0.5)
+    with spinning_on_every_core():
+        time.sleep(0.3)
+        busy = cores_used_by_others(SETTINGS["n_threads"], window=1.0)
+    assert quiet is not None and busy is not None
+    assert busy > SPARE_CORES and busy > quiet, (quiet, busy)
+
+
+@pytest.mark.children
+@READS_CORES
 def test_bench_says_when_other_processes_held_the_cores(model_paths, tmp_path):
     """`specllama bench` beside processes spinning on every core says its figures timed them
     too; its JSON gives what other processes used, quiet or not."""
