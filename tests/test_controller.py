@@ -475,9 +475,9 @@ def test_the_draft_s_prefill_is_priced_from_its_own_timed_batch():
     assert costs.catch_up(3) - costs.catch_up(1) == pytest.approx(2 * per_token)
     untimed = OnlineCosts(Costs(F16_CPU.verify, 0.020), frozen=True)
     assert untimed.catch_up(80) == pytest.approx(0.020 * F16_CPU.v(80) / F16_CPU.v(1))
-    # beside two other lanes, 120 tokens from its end, a 160-token prefill priced as timed does
+    # beside two other lanes, 256 tokens from its end, a 160-token prefill priced as timed does
     # not repay (where it was priced at a fifth of that, it was started)
-    policies = [Controller(OnlineCosts(c, frozen=True), 8, has_draft=True, lookup=False, n_tokens=120)
+    policies = [Controller(OnlineCosts(c, frozen=True), 8, has_draft=True, lookup=False, n_tokens=256)
                 for c in (timed, Costs(F16_CPU.verify, 0.020))]
     for p in policies:
         for _ in range(20):
@@ -826,3 +826,39 @@ def test_a_generation_without_a_limit_prices_the_draft_s_prefill_over_its_expect
     unlimited.n_left -= 3000  # it has run 3,000 tokens: about as many more are expected
     assert unlimited.expected_left() == 3000
     assert unlimited.plan(8, 0, 0, lag=(2880, True))[0] == "draft"
+
+
+def test_the_draft_s_prefill_is_started_exactly_where_it_repays_itself_over_the_generation():
+    """Paying the draft's prefill once, then drafting the expected rest of the generation at the
+    text's mean, must take less time than decoding it plainly: the plan starts the prefill on
+    exactly those prompts. Spread per round at a one-draft round's 1 + alpha tokens, a round of
+    six drafts carried a third of its share, and prefills three times too long to repay
+    themselves were started (the F16 pair at 2,900 tokens: 17 s of prefill, the turn 1.25x
+    plain decoding)."""
+    timed = Costs(F16_CPU.verify, 0.020, draft_batch=(64, 0.350))
+    p = Controller(OnlineCosts(timed, frozen=True), 8, has_draft=True, lookup=False)
+    for _ in range(40):
+        p.draft_acceptance.observe([0.95] * 8, 8)
+    alpha, horizon, v = p.draft_acceptance.mean(), p.expected_left(), p.costs.table(9)
+    per_token = min((k * 0.020 + v[k + 1]) / (1 + sum(alpha ** j for j in range(1, k + 1))) for k in range(1, 9))
+    decisions = {}
+    for n_lag in range(400, 6000, 50):
+        prefill = p.costs.catch_up(n_lag) - p.costs.catch_up(1)
+        drafted, plain = prefill + horizon * per_token, horizon * v[1]
+        if prefill > p.explore_allowance() and abs(drafted / plain - 1) > 0.02:
+            decisions[n_lag] = (p.plan(8, 0, 0, lag=(n_lag, True))[0], "draft" if drafted < plain else "none")
+    assert {want for _, want in decisions.values()} == {"draft", "none"}  # the sweep crosses the line
+    assert all(got == want for got, want in decisions.values()), decisions
+
+
+def test_a_fresh_pair_explores_on_a_short_prompt_but_a_long_prompt_s_prefill_needs_its_record():
+    """Before N_EXPLORE drafts are judged a plan hopes the draft is always right, so a new pair
+    is tried. A short prompt's prefill is a few rounds' risk; a long one's is paid in full on
+    the request's path (and idle time catches the draft up for the next turn for free), so
+    above explore_allowance() it is judged on the record: at the 0.6 prior, not started."""
+    timed = Costs(F16_CPU.verify, 0.020, draft_batch=(64, 0.350))
+    p = Controller(OnlineCosts(timed, frozen=True), 8, has_draft=True, lookup=False)
+    short, long = p.costs.catch_up(60) - p.costs.catch_up(1), p.costs.catch_up(600) - p.costs.catch_up(1)
+    assert short < p.explore_allowance() < long
+    assert p.plan(8, 0, 0, lag=(60, True))[0] == "draft"
+    assert p.plan(8, 0, 0, lag=(600, True))[0] == "none"

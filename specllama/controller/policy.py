@@ -30,18 +30,13 @@ Costs are learned online (OnlineCosts): every round times its verify pass and ev
 step, and robust running estimates correct the calibration they start from, so a noisy or
 stale calibration cannot keep speculation on where it loses.
 
-A record that stopped the draft is not renewed while it stays off: plain and lookup rounds
-judge no drafts, and the draft falls a token further behind with each. Two things bring it
-back. The text's mean acceptance sinks back to the pair's long-run record, and the catch-up
-(one batch of the tokens it missed) is spread over the tokens the draft will serve
-(lag_cost): charged to one round in full, it grew with every plain round and kept a draft
-that was on a par with plain decoding off for the rest of the generation. And rounds without
-the draft earn a credit, EXPLORE_SHARE of their modelled time; once it covers a short draft
-round, its catch-up included, the draft is tried again (never to start its prefill), and the
-try's modelled cost beyond what the best other source would have taken for its tokens is
-paid from the credit. Where the draft really loses, trying costs at most that share of the
-time; where catching up costs more than the share earns meanwhile (a CPU's batches), the
-tries stop and the record alone decides.
+A record that stopped the draft is not renewed while it stays off (other rounds judge no
+drafts, and the draft falls further behind). Two things bring it back: the text's mean sinks
+back to the pair's long-run record, and the catch-up (one batch) is spread over the tokens the
+draft will serve (lag_cost). And rounds without the draft earn a credit, EXPLORE_SHARE of their
+modelled time; once it covers a short draft round, its catch-up included, the draft is tried
+again (never to start its prefill), the try's modelled cost beyond the best other source's
+paid from the credit: where the draft loses, trying costs at most that share of the time.
 """
 
 from __future__ import annotations
@@ -61,6 +56,7 @@ from .costs import OnlineCosts, shared_pass_costs
 
 EXPLORE_SHARE = 0.015  # of the modelled time of rounds without the draft, spent trying it again
 TRY_DRAFT = 2  # the most tokens such a try drafts
+EXPLORE_PREFILL_SHARE = 0.1  # of the expected plain time, the draft's prefill a plan may start on hope
 CATCH_UP_HORIZON = 32  # tokens a catch-up is expected to serve before the draft is left behind again
 # tokens a generation is expected to run at its start where its limit allows more (GenerateOptions'
 # default max_tokens): a client that sends no max_tokens leaves thousands, over which any prefill
@@ -161,12 +157,12 @@ class Controller:
         self._load = (0, 1)  # the last round's pass: other lanes' rows in it, lanes in it
 
     def _best_draft_rate(self, alpha: float, k_max: int, c_d: Optional[float] = None,
-                         extra: float = 0.0) -> tuple[float, int]:
+                         lag_per_token: float = 0.0) -> tuple[float, int]:
         if k_max <= 0:
             return 0.0, 0
         ks = np.arange(1, k_max + 1)
         expected = 1.0 + np.cumsum(alpha ** ks)
-        rates = expected / (ks * (self._c_d if c_d is None else c_d) + self._v[ks + 1] + extra)
+        rates = expected / (ks * (self._c_d if c_d is None else c_d) + self._v[ks + 1] + expected * lag_per_token)
         best = int(np.argmax(rates))
         return float(rates[best]), best + 1
 
@@ -175,17 +171,20 @@ class Controller:
         return float((self.lookup_hits[i] + 0.5 * 2.0) / (self.lookup_seen[i] + 2.0))
 
     def lag_cost(self, n_lag: int, prefill: bool) -> float:
-        """Seconds a draft round must count for the tokens the draft is behind, beyond the one
-        token every round feeds it. Decoding them is paid once and serves every draft round
-        after it, so it is spread over the tokens those rounds are expected to bring: the rest
-        of the generation for its prefill, at most CATCH_UP_HORIZON tokens for a catch-up
-        (lookup or plain rounds may leave the draft behind again). Charged to one round in
-        full, the lag would grow with every round without the draft and keep it off for the
-        rest of a generation it would have served. The rest is what the limit leaves, or
-        expected_left() where that is less."""
-        seconds = self._catch_up(n_lag)
+        """Seconds each token a draft round brings must carry for the tokens the draft is
+        behind, beyond the one every round feeds it: paid once, serving every draft round after,
+        so spread over the tokens those rounds bring: the rest of the generation for its prefill
+        (expected_left()), at most CATCH_UP_HORIZON tokens for a catch-up (other sources may
+        leave the draft behind again). Charged to one round, the lag grew with every round
+        without the draft and kept it off for good. Per token, not per round: spread per round
+        at a one-draft round's 1 + alpha tokens, a 4-draft round at 91% carried 2.2x too little."""
         horizon = self.expected_left() if prefill else min(self.n_left, CATCH_UP_HORIZON)
-        return seconds * min(1.0, (1.0 + self.draft_acceptance.mean()) / max(horizon, 1))
+        return self._catch_up(n_lag) / max(horizon, 1)
+
+    def explore_allowance(self) -> float:
+        """Seconds of the draft's prefill a generation may risk on hope rather than on its
+        record: EXPLORE_PREFILL_SHARE of the plain time of the tokens it is expected to bring."""
+        return EXPLORE_PREFILL_SHARE * self.expected_left() * self._v[1]
 
     def expected_left(self) -> int:
         """Tokens the generation is expected to bring still, within its limit: answers' lengths
@@ -211,8 +210,8 @@ class Controller:
             return choice
         draft_rate = on_record = 0.0
         if self.has_draft:
-            extra = self.lag_cost(*lag)
-            on_record, _ = self._best_draft_rate(self.draft_acceptance.mean(), k_cap, extra=extra)
+            lag_per_token = self.lag_cost(*lag)
+            on_record, _ = self._best_draft_rate(self.draft_acceptance.mean(), k_cap, lag_per_token=lag_per_token)
             # optimistic until the pair has judged N_EXPLORE drafts: a draft never tried is
             # never learned (a pessimistic start kept a fresh load plain through whole
             # generations of code it drafts at 80%), and nor is one whose first draft, an
@@ -224,14 +223,16 @@ class Controller:
             # lane's pass (its prefill and steps stall them) while what it teaches serves one
             # lane, so there it plans on the mean (8 requests at once in a new process each
             # explored: 6 prefills of 0.4-1.0 s for 79 drafts, 41% accepted; with no record
-            # the hope alone lifts a pair to 1.0)
-            if self._load[1] > 1:
+            # the hope alone lifts a pair to 1.0). Nor for a prefill over explore_allowance():
+            # a long prompt's (17 s for 2,900 tokens here) is paid in full on the request's
+            # path, where idle time would catch the draft up for the next turn for free
+            if self._load[1] > 1 or (lag[1] and self._catch_up(lag[0]) > self.explore_allowance()):
                 hope = self.draft_acceptance.mean()
             elif self.draft_acceptance.n_judged < N_EXPLORE:
                 hope = 1.0
             else:
                 hope = self.draft_acceptance.hoped_mean()
-            draft_rate, _ = self._best_draft_rate(hope, k_cap, extra=extra)
+            draft_rate, _ = self._best_draft_rate(hope, k_cap, lag_per_token=lag_per_token)
         if self.lookup and n_lookup:
             rate, k = self._best_draft_rate(self.lookup_alpha(n_match), min(k_cap, n_lookup), c_d=0.0)
             if rate > best:
