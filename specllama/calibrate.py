@@ -20,6 +20,7 @@ import numpy as np
 
 from . import records
 from .controller import Costs
+from .controller.costs import STEP_CONTEXT
 from .fidelity import BatchDiffs, kv_group
 from .idle import Preempted
 from .limits import MAX_VERIFY
@@ -100,12 +101,11 @@ def probe_batch_diffs(target: Model, n_past: int, bound: float, max_batch: int =
     """Teacher-forced probe at the KV length of n_past cached tokens.
 
     Decodes max_batch probe tokens one at a time, then the same tokens again as one batch of
-    b = 2, 3, ... tokens, comparing every row (later rows attend to the batch's own KV, so
-    the drift a batch leaves in the cache is included). A target that verifies trees also
-    decodes a tree of b tokens (a chain with a sibling leaf under each of its first nodes),
-    and a size's difference is the larger of the two shapes'. Stops after the first size that
-    differs by more than bound. The cache is back at n_past tokens afterwards.
-    """
+    b = 2, 3, ... tokens, comparing every row (later rows attend to the batch's own KV, so the
+    drift a batch leaves in the cache is included). A target that verifies trees also decodes a
+    tree of b tokens (a chain with a sibling leaf under each of its first nodes); a size's
+    difference is the larger of the two shapes'. Stops after the first size that differs by
+    more than bound. The cache is back at n_past tokens afterwards."""
     max_batch = min(max_batch, target.n_ctx - n_past)  # a small context has room for fewer rows
     tokens = target.tokenize(PROBE_TEXT, add_special=False)
     while len(tokens) < max_batch:
@@ -215,15 +215,12 @@ REUSE_ROWS = 4  # probe tokens that stand for the new turn, prefilled on top of 
 
 def probe_reuse_diffs(target: Model, n_past: int, stop: Stop = never) -> float:
     """How far rows computed on a reused cache stray from rows on a fresh prefill, at the KV
-    length of n_past cached tokens.
-
-    A fresh prefill computes a conversation in large batches. A reused cache holds an earlier
-    answer decoded one token at a time (or in verify batches), prefills only the new turn on
-    top of it, and re-decodes the last prompt token alone when its prompt was cut short. So
-    probe text is appended on top of the cache each of these ways, and every row compared
-    with the same row of the all-in-one-batch run: the new turn's rows, the last row decoded
-    alone, and the next (generated) row. The cache is back at n_past tokens afterwards.
-    """
+    length of n_past cached tokens. A fresh prefill computes a conversation in large batches; a
+    reused cache holds an earlier answer decoded one token at a time (or in verify batches),
+    prefills only the new turn on top of it, and re-decodes the last prompt token alone when its
+    prompt was cut short. So probe text is appended on top of the cache each of these ways, and
+    every row compared with the same row of the all-in-one-batch run: the new turn's rows, the
+    last row decoded alone, and the next (generated) row. The cache is back at n_past after."""
     tokens = target.tokenize(PROBE_TEXT, add_special=False)[:REUSE_SEGMENT + REUSE_ROWS + 1]
     answer, turn, generated = tokens[:REUSE_SEGMENT], tokens[REUSE_SEGMENT:-1], tokens[-1:]
     if n_past + len(tokens) > target.n_ctx:
@@ -256,8 +253,7 @@ def probe_reuse_diffs(target: Model, n_past: int, stop: Stop = never) -> float:
 def measure_reuse_diffs(target: Model, n_past: int, stop: Stop = never) -> float:
     """probe_reuse_diffs for the KV group of n_past, stored under reuse_key (NaN: no room)."""
     t0 = time.perf_counter()
-    diff = probe_reuse_diffs(target, n_past, stop)
-    seconds = time.perf_counter() - t0
+    diff, seconds = probe_reuse_diffs(target, n_past, stop), time.perf_counter() - t0
     if not math.isnan(diff):
         log.info("%s at KV length %d: rows on a reused prompt cache differ from a fresh prefill's by %.3g "
                  "(measured in %.1f s)", target.name, kv_length(n_past + 1, target.n_ctx), diff, seconds)
@@ -272,10 +268,8 @@ def probe_apart_diff(solo: Model, shared: Any, n_prompt: int = 160, n_steps: int
     """The largest |logit difference| between a lane's one-token rows, decoded while another lane
     grows and rolls back beside it, and the same rows in a context of its own (solo, left empty).
     Teacher-forced on the solo rows' greedy choices; the lanes used are freed again."""
-    rng = np.random.default_rng(0)
-    hi = min(solo.n_vocab, 20000)
-    prompt = [int(t) for t in rng.integers(100, hi, size=n_prompt)]
-    filler = [int(t) for t in rng.integers(100, hi, size=n_prompt // 2)]
+    rng, hi = np.random.default_rng(0), min(solo.n_vocab, 20000)
+    prompt, filler = ([int(t) for t in rng.integers(100, hi, size=n)] for n in (n_prompt, n_prompt // 2))
     lane, other = shared.lane(0), shared.lane(1)
     try:
         other.decode(filler)
@@ -309,8 +303,7 @@ def measure_apart_diff(solo: Model, shared: Any) -> float:
     """probe_apart_diff, stored under apart_key once per model file, settings, build and number
     of lanes (callers read the cached one first: cached_apart_diff)."""
     t0 = time.perf_counter()
-    diff = probe_apart_diff(solo, shared)
-    seconds = time.perf_counter() - t0
+    diff, seconds = probe_apart_diff(solo, shared), time.perf_counter() - t0
     records.write(apart_key(solo, shared.n_lanes), {"diff": diff, "seconds": seconds}, "probe at load")
     log.info("%s: a lane's rows differ from a context of its own by %.3g logits (measured in %.1f s)",
              solo.name, diff, seconds)
@@ -345,21 +338,21 @@ def measure_costs(target: Model, draft: Optional[Drafter], max_verify: int = MAX
     and end, so a busy moment shows as disagreement). Each size takes the fastest of repeats
     runs (the least disturbed). Clears both caches."""
     tokens = target.tokenize(PROBE_TEXT, add_special=False)
-    while len(tokens) < 64 + max_verify:
+    while len(tokens) < STEP_CONTEXT + max_verify:
         tokens = tokens + tokens
-    context, probe = tokens[:64], tokens[64:64 + max_verify]
+    context, probe = tokens[:STEP_CONTEXT], tokens[STEP_CONTEXT:STEP_CONTEXT + max_verify]
     try:
         target.truncate(0)
         target.decode(context)
-        _time_decode(target, 64, probe, 1, 1, stop)  # warm-up
-        v1_repeats = _time_decode(target, 64, probe, 1, 3, stop)
+        _time_decode(target, STEP_CONTEXT, probe, 1, 1, stop)  # warm-up
+        v1_repeats = _time_decode(target, STEP_CONTEXT, probe, 1, 3, stop)
         sizes = [n for n in VERIFY_SIZES if n <= max_verify]
         measured = {}
         for i, n in enumerate(sizes):
-            measured[n] = min(_time_decode(target, 64, probe, n, repeats, stop))
+            measured[n] = min(_time_decode(target, STEP_CONTEXT, probe, n, repeats, stop))
             if i == len(sizes) // 2:
-                v1_repeats += _time_decode(target, 64, probe, 1, 1, stop)
-        v1_repeats += _time_decode(target, 64, probe, 1, 1, stop)
+                v1_repeats += _time_decode(target, STEP_CONTEXT, probe, 1, 1, stop)
+        v1_repeats += _time_decode(target, STEP_CONTEXT, probe, 1, 1, stop)
         verify = tuple(float(np.interp(n, sizes, [measured[s] for s in sizes])) for n in range(1, max_verify + 1))
     finally:
         target.truncate(0)
@@ -368,13 +361,20 @@ def measure_costs(target: Model, draft: Optional[Drafter], max_verify: int = MAX
     if draft is not None:
         try:
             draft_batch = (len(context), min(_time_decode(draft, 0, context, len(context), 2, stop, all_rows=False)))
-            _time_decode(draft, 64, probe, 1, 1, stop)
-            draft_repeats = _time_decode(draft, 64, probe, 1, max(3, repeats), stop)
+            _time_decode(draft, STEP_CONTEXT, probe, 1, 1, stop)
+            draft_repeats = _time_decode(draft, STEP_CONTEXT, probe, 1, max(3, repeats), stop)
         finally:
             draft.truncate(0)
     costs = Costs(verify, min(draft_repeats) if draft_repeats else 0.0, draft_batch)
     return costs, {"v1_repeats": v1_repeats, "draft_repeats": draft_repeats,
                    "draft_batch": list(draft_batch) if draft_batch else None}
+
+
+def time_draft_step(draft: Drafter, stop: Stop = never) -> tuple[int, float]:
+    """(n_kv, seconds): the fastest of three draft steps at the end of what the draft holds (its
+    last token decoded again: the cache is as it was)."""
+    tokens = list(draft.cached)
+    return len(tokens), min(_time_decode(draft, len(tokens) - 1, tokens[-1:], 1, 3, stop))
 
 
 def quick_costs(target: Model, draft: Optional[Drafter]) -> tuple[list[float], Optional[list[float]]]:

@@ -88,7 +88,9 @@ def model_report(llm: Any, n_groups: int = 3) -> dict:
             "memory": memory, "fidelity": rows,
             "rounding_bound": LEVELS["rounding"].bound,
             "costs_ms": {"v": {n: round(costs.v(n) * 1000, 1) for n in (1, 2, 3, 4, 8, 16)},
-                         "draft_token": round(costs.draft_token * 1000, 1)},
+                         "draft_token": round(costs.draft_token * 1000, 1),
+                         **({"draft_token_after_kv": {costs.draft_kv[0]: round(costs.draft_kv[1] * 1000, 1)}}
+                            if costs.draft_kv else {})},
             "costs_measured": records.describe(llm.planner.costs_record),
             "verdict": verdict(costs, k_max, draft is not None),
             "slots": {"n_max": llm.pool.slots.n_max, "note": llm.pool.slots.note,
@@ -180,6 +182,8 @@ def print_report(report: dict) -> list[str]:
         v = m["costs_ms"]["v"]
         lines.append("  decode ms by batch size: " + ", ".join(f"{n}: {t}" for n, t in v.items())
                      + (f"; draft {m['costs_ms']['draft_token']} a token" if m["draft"] else "")
+                     + "".join(f", {ms} after {n} cached tokens"
+                               for n, ms in m["costs_ms"].get("draft_token_after_kv", {}).items())
                      + f" ({m['costs_measured']})")
         lines.append(f"  verdict: {m['verdict']}")
         slots = m.get("slots")

@@ -14,12 +14,12 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Optional, Union
 
 from . import records
 from .calibrate import (acceptance_key, cached_batch_diffs, cached_reuse_diffs, costs_key, fidelity_group,
-                        measure_batch_diffs, measure_costs, measure_reuse_diffs, quick_costs)
+                        measure_batch_diffs, measure_costs, measure_reuse_diffs, quick_costs, time_draft_step)
 from .constraints import Constraint
 from .controller import Acceptance, Controller, Costs, FixedDraft, OnlineCosts, Policy, draft_can_pay
 from .fidelity import DiffTable, Level, ReuseTable, group_label, kv_group
@@ -35,6 +35,7 @@ from .sampling import SamplingSettings
 log = logging.getLogger("specllama")
 
 CATCH_UP_MIN = 64  # a draft this far behind the target's live sequence catches up while idle
+DRAFT_KV_MIN = 512  # a conversation this long times the draft's step at its length while idle
 
 
 @dataclass(frozen=True)
@@ -96,6 +97,7 @@ class Planner:
         timed batch is used meanwhile, and measured again when idle."""
         record = records.read(costs_key(self.target, self.draft))
         draft_batch = None if record is None else records.draft_batch(record)
+        draft_kv = None if record is None else records.draft_kv(record)
         problem = "not measured on this machine yet" if record is None else records.costs_problem(
             record["verify"], record["draft_token"], record.get("v1_repeats", ()), record.get("draft_repeats", ()),
             draft_batch)
@@ -106,7 +108,7 @@ class Planner:
                          "when idle", self.target.name, problem)
         if problem is None:
             assert record is not None
-            self._costs = Costs(tuple(record["verify"]), record["draft_token"], draft_batch)
+            self._costs = Costs(tuple(record["verify"]), record["draft_token"], draft_batch, draft_kv)
             self.costs_record = record
             if self.draft is None or draft_batch is not None:
                 return
@@ -174,9 +176,10 @@ class Planner:
         log.info("%s: rounds measured one token at %.0f ms against %.0f ms in the cached curve; the curve now "
                  "follows the rounds", self.target.name, corrected.v(1) * 1e3, self._costs.v(1) * 1e3)
         self.costs_record = records.write(costs_key(self.target, self.draft),
-                                          records.costs_value(corrected.verify, corrected.draft_token, **(
-                                              {"draft_batch": list(corrected.draft_batch)}
-                                              if corrected.draft_batch else {})),
+                                          records.costs_value(corrected.verify, corrected.draft_token, **{
+                                              name: list(value) for name, value in (
+                                                  ("draft_batch", corrected.draft_batch),
+                                                  ("draft_kv", corrected.draft_kv)) if value}),
                                           "live rounds (the probed curve was off by more than 1.5x)")
         self._costs, self._online_costs = corrected, OnlineCosts(corrected)
 
@@ -228,13 +231,15 @@ class Planner:
     def want_catch_up(self) -> None:
         """After a generation: the reuse difference where the conversation now ends is queued (the
         next turn reuses it all once it is known), and a draft far behind the target's
-        conversation catches up while idle, so the next turn drafts from its first token."""
+        conversation catches up while idle, so the next turn drafts from its first token; there
+        its step is timed where the costs know none at such a length (_draft_kv_wanted)."""
         if self.target.cached:
             self.reuse_diffs.get(len(self.target.cached) - 1)
         draft, cache = self.draft, self._draft_cache
         if draft is None or cache is None or draft.follows_target:
             return
-        if len(self.target.cached) - common_prefix(draft.cached, self.target.cached) < CATCH_UP_MIN:
+        if len(self.target.cached) - common_prefix(draft.cached, self.target.cached) < CATCH_UP_MIN and \
+                not self._draft_kv_wanted(len(self.target.cached)):
             return
 
         def run(stop: Callable[[], bool]) -> None:
@@ -245,8 +250,29 @@ class Planner:
                 if stop():
                     raise Preempted()
                 cache.prefill(tokens[:min(end, len(tokens))], canonical=False)
+            if self._draft_kv_wanted(len(draft.cached)):
+                self._time_draft_kv(stop)
 
         self.idle.add(Task("draft catch-up", run, what="the draft catching up with the conversation"))
+
+    def _draft_kv_wanted(self, n_kv: int) -> bool:
+        """Whether a draft step timed after n_kv cached tokens would teach the cached costs how
+        its cost grows with the context: none is recorded at three quarters of that or more."""
+        if self._costs is None or n_kv < DRAFT_KV_MIN or records.read(costs_key(self.target, self.draft)) is None:
+            return False
+        return self._costs.draft_kv is None or self._costs.draft_kv[0] < 0.75 * n_kv
+
+    def _time_draft_kv(self, stop: Callable[[], bool]) -> None:
+        """A draft step at the end of the conversation (idle: the cores are free), kept in the
+        costs record and followed by the costs in use."""
+        assert self.draft is not None and self._costs is not None
+        n_kv, seconds = time_draft_step(self.draft, stop)
+        self._costs = replace(self._costs, draft_kv=(n_kv, seconds))
+        if self._online_costs is not None:
+            self._online_costs.learn_draft_kv(n_kv, seconds)
+        log.info("%s: a draft step after %d cached tokens took %.0f ms (%.0f ms at the calibration's short "
+                 "context)", self.target.name, n_kv, seconds * 1e3, self._costs.draft_token * 1e3)
+        self.costs_record = records.amend(costs_key(self.target, self.draft), "draft_kv", [n_kv, seconds])
 
     def measure_short(self, levels: tuple[Level, ...], batching: bool = False) -> None:
         """At load: the short context's verify limit for each level, measured now if no cache

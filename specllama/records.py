@@ -93,6 +93,17 @@ def stale(record: dict, v1_now: float, draft_now: Optional[float]) -> Optional[s
     return None
 
 
+def amend(key: str, name: str, value: Any) -> Optional[dict]:
+    """Add a figure measured later to the record under key, with its own time (the record's
+    provenance stays); None where there is no record."""
+    record = read(key)
+    if record is None:
+        return None
+    record = {**record, name: value, f"{name}_measured_at": time.strftime("%Y-%m-%d %H:%M:%S")}
+    paths.write_cached(FILE, key, record)
+    return record
+
+
 def describe(record: Optional[dict]) -> str:
     """When and how a record was measured, for doctor and calibrate."""
     if record is None:
@@ -103,7 +114,16 @@ def describe(record: Optional[dict]) -> str:
 def draft_batch(record: dict) -> Optional[tuple[int, float]]:
     """The record's timed draft batch (n tokens, seconds), or None where it has none or a bad one
     (records written before it was measured)."""
-    value = record.get("draft_batch")
+    return _timed(record, "draft_batch")
+
+
+def draft_kv(record: dict) -> Optional[tuple[int, float]]:
+    """The record's draft step timed at a long context (n_kv cached tokens, seconds), or None."""
+    return _timed(record, "draft_kv")
+
+
+def _timed(record: dict, name: str) -> Optional[tuple[int, float]]:
+    value = record.get(name)
     if not isinstance(value, (list, tuple)) or len(value) != 2:
         return None
     try:

@@ -73,6 +73,31 @@ def test_a_curve_cached_before_the_draft_s_batch_was_timed_is_used_and_completed
     assert records.draft_batch(records.read(key)) is not None
 
 
+def test_the_draft_s_step_is_timed_at_a_long_conversation_s_length_when_idle(model_paths, home, quiet_process):
+    """A draft step attends over every cached token, so the calibration's step at 64 tokens
+    underprices it in a long conversation (the F16 pair's draft: 38 ms there, 89 ms after 2,900).
+    Once a conversation is long, the step is timed at its length while idle, on the draft's own
+    copy of it (left as it was), and kept in the costs record for the next load."""
+    prompt = LONG_STORY * 2 + "Continue the story."
+    with load(model_paths, idle_work=False) as llm:
+        key = calibrate.costs_key(llm.target, llm.draft)
+        assert llm.planner.costs(measure=True) is not None
+    with load(model_paths, idle_work=False) as llm:
+        assert llm.planner.costs() is not None and llm.planner.costs().draft_kv is None
+        llm.generate(prompt, max_tokens=8, n_draft=0)  # the draft is left behind
+        assert "the draft catching up with the conversation" in llm.idle.pending()
+        llm.warm_up()
+        conversation = list(llm.target.cached)
+        assert list(llm.draft.cached) == conversation  # caught up, and as it was after the timing
+        timed = records.draft_kv(records.read(key))
+        assert timed is not None and timed[0] == len(conversation) >= 512 and 0 < timed[1] < 5
+        assert llm.planner.costs().draft_kv == timed
+        llm.generate(prompt, max_tokens=8, n_draft=0)  # the same length again: nothing more to time
+        assert "the draft catching up with the conversation" not in llm.idle.pending()
+    with load(model_paths, idle_work=False) as llm:
+        assert llm.planner.costs() is not None and llm.planner.costs().draft_kv == timed
+
+
 @pytest.mark.children
 def test_calibrate_writes_what_run_then_uses(model_paths, home):
     out = subprocess.run([sys.executable, "-m", "specllama", "calibrate", str(model_paths["target"]), "--draft",

@@ -6,7 +6,7 @@ from __future__ import annotations
 import statistics
 from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Optional
 
 import numpy as np
@@ -20,6 +20,7 @@ class Costs:
     verify: tuple[float, ...]
     draft_token: float
     draft_batch: Optional[tuple[int, float]] = None  # (n, seconds): the draft decoding n tokens at once
+    draft_kv: Optional[tuple[int, float]] = None  # (n_kv, seconds): a draft step after n_kv cached tokens
 
     def v(self, n: int) -> float:
         if n <= len(self.verify):
@@ -29,6 +30,20 @@ class Costs:
 
 
 MIN_RATIO = 0.05  # the least measured/calibrated ratio a fit may give
+STEP_CONTEXT = 64  # cached tokens behind the calibration's draft step (calibrate.measure_costs)
+
+
+def kv_factor(costs: Costs, n_kv: int) -> float:
+    """A draft step after n_kv cached tokens over one at the calibration's short context: each
+    step attends over every cached token, so its cost grows in a line through the short step
+    and the one timed at a long context (draft_kv; 1.0 without one). On our CPU the 0.5B
+    draft's step took 38 ms at 64 tokens and 89 ms at 2,900: priced at 38 ms, a 2,900-token
+    turn expected 1.12x from drafting where it could not beat plain decoding."""
+    if costs.draft_kv is None or costs.draft_token <= 0 or costs.draft_kv[0] <= STEP_CONTEXT:
+        return 1.0
+    n_long, seconds = costs.draft_kv
+    per_token = max(0.0, seconds / costs.draft_token - 1.0) / (n_long - STEP_CONTEXT)
+    return 1.0 + per_token * max(0, n_kv - STEP_CONTEXT)
 
 
 class OnlineCosts:
@@ -42,8 +57,9 @@ class OnlineCosts:
     figure every choice is weighed against, is measured by the occasional plain round, relative
     to the line's level at the time: the machine's load moves the whole curve, so v(1) follows
     it between plain rounds instead of going stale. The draft cost is the median of the last
-    measured steps. frozen=True keeps the calibration (seeded sampling: the same seed must
-    give the same text, so no timing may steer the rounds). v1_live: one-token decodes this
+    measured steps, each taken back to the short context by kv_factor. frozen=True keeps the
+    calibration (seeded sampling: the same seed must give the same text, so no timing may steer
+    the rounds). v1_live: one-token decodes this
     process timed moments ago beside the curve (checking or measuring it at load), which stand
     for the first plain rounds: a fresh process's first generation need not decode its first
     three rounds plainly to learn what load just measured. They were timed at the curve's short
@@ -94,20 +110,25 @@ class OnlineCosts:
             return False
         return len(self._one) < 3 or self.n_observed - self._last_one > self.refresh
 
-    def observe_draft_step(self, seconds: float, shared: bool = False) -> None:
-        """A draft step's seconds; shared: taken while other lanes generated (their draft rows
-        in the step, their turns between steps), which is what a step costs at that load and not
-        alone: one window for both, and a burst of requests left a lone request pricing its
-        draft steps at 2-3x their time, drafting less, so measuring fewer of them."""
+    def observe_draft_step(self, seconds: float, shared: bool = False, n_kv: int = 0) -> None:
+        """A draft step's seconds after n_kv cached tokens; shared: taken while other lanes
+        generated (their draft rows in the step, their turns between steps), which is what a
+        step costs at that load and not alone: one window for both, and a burst of requests left
+        a lone request pricing its draft steps at 2-3x their time, drafting less, so measuring
+        fewer of them."""
         if not self.frozen and seconds > 0:
-            (self._draft_shared if shared else self._draft).append(seconds)
+            (self._draft_shared if shared else self._draft).append(seconds / kv_factor(self.seed, n_kv))
 
-    def draft_cost(self, shared: bool) -> float:
-        """Seconds a draft step costs alone, or beside other lanes (their figure once three such
-        steps were measured; the step alone until then)."""
-        if shared and len(self._draft_shared) >= 3:
-            return statistics.median(self._draft_shared)
-        return self.draft_token
+    def draft_cost(self, shared: bool, n_kv: int = 0) -> float:
+        """Seconds a draft step costs after n_kv cached tokens, alone or beside other lanes
+        (their figure once three such steps were measured; the step alone until then)."""
+        step = statistics.median(self._draft_shared) if shared and len(self._draft_shared) >= 3 else self.draft_token
+        return step * kv_factor(self.seed, n_kv)
+
+    def learn_draft_kv(self, n_kv: int, seconds: float) -> None:
+        """A draft step timed after n_kv cached tokens (idle, on the live conversation): the
+        steps' growth with the context follows it from now on."""
+        self.seed = replace(self.seed, draft_kv=(n_kv, seconds))
 
     def observe_catch_up(self, n_tokens: int, seconds: float) -> None:
         """The draft decoded n_tokens at once (its prefill, or catching up) in seconds."""
@@ -188,7 +209,7 @@ class OnlineCosts:
         if max(max(ratios), 1 / min(ratios)) <= factor:
             return None
         v = self.table(len(self.seed.verify))
-        return Costs(tuple(float(x) for x in v[1:]), self.draft_token, self.seed.draft_batch)
+        return Costs(tuple(float(x) for x in v[1:]), self.draft_token, self.seed.draft_batch, self.seed.draft_kv)
 
     def as_dict(self) -> dict:
         v = self.table(16)
@@ -197,6 +218,7 @@ class OnlineCosts:
                 **({"draft_step_beside_lanes_ms": round(self.draft_cost(True) * 1000, 2)}
                    if len(self._draft_shared) >= 3 else {}),
                 "draft_batch_ms": {n: round(self.catch_up(n) * 1000, 2) for n in (2, 8, 32)},
+                "draft_token_ms_at_kv": {n: round(self.draft_cost(False, n) * 1000, 2) for n in (1024, 4096)},
                 "n_observed": self.n_observed,
                 "frozen": self.frozen}
 

@@ -73,7 +73,8 @@ class Policy(Protocol):
     has_draft: bool
     lookup: bool
 
-    def plan(self, k_cap: int, n_match: int, n_lookup: int, lag: tuple[int, bool] = (0, False)) -> tuple[str, int]: ...
+    def plan(self, k_cap: int, n_match: int, n_lookup: int, lag: tuple[int, bool] = (0, False),
+             n_kv: int = 0) -> tuple[str, int]: ...
 
     def draft_more(self, confidences: list[float]) -> str: ...
 
@@ -97,7 +98,8 @@ class FixedDraft:
         self.limit, self.width = k, width
         self.has_draft, self.lookup = has_draft, lookup
 
-    def plan(self, k_cap: int, n_match: int, n_lookup: int, lag: tuple[int, bool] = (0, False)) -> tuple[str, int]:
+    def plan(self, k_cap: int, n_match: int, n_lookup: int, lag: tuple[int, bool] = (0, False),
+             n_kv: int = 0) -> tuple[str, int]:
         k = min(self.limit, k_cap)
         if k <= 0:
             return "none", 0
@@ -155,6 +157,7 @@ class Controller:
         self._trying = False  # this round tries a draft its record says loses
         self._rate_else = 0.0  # the best rate without the draft, as this round was planned
         self._load = (0, 1)  # the last round's pass: other lanes' rows in it, lanes in it
+        self._n_kv = 0  # cached tokens the round's draft steps attend over
 
     def _best_draft_rate(self, alpha: float, k_max: int, c_d: Optional[float] = None,
                          lag_per_token: float = 0.0) -> tuple[float, int]:
@@ -172,12 +175,10 @@ class Controller:
 
     def lag_cost(self, n_lag: int, prefill: bool) -> float:
         """Seconds each token a draft round brings must carry for the tokens the draft is
-        behind, beyond the one every round feeds it: paid once, serving every draft round after,
-        so spread over the tokens those rounds bring: the rest of the generation for its prefill
-        (expected_left()), at most CATCH_UP_HORIZON tokens for a catch-up (other sources may
-        leave the draft behind again). Charged to one round, the lag grew with every round
-        without the draft and kept it off for good. Per token, not per round: spread per round
-        at a one-draft round's 1 + alpha tokens, a 4-draft round at 91% carried 2.2x too little."""
+        behind beyond the one every round feeds it, spread over the tokens the rounds it serves
+        bring: the generation's expected rest for its prefill, at most CATCH_UP_HORIZON for a
+        catch-up (other sources may leave it behind again). Charged to one round, the lag kept
+        the draft off for good; spread per round, a 4-draft round at 91% carried 2.2x too little."""
         horizon = self.expected_left() if prefill else min(self.n_left, CATCH_UP_HORIZON)
         return self._catch_up(n_lag) / max(horizon, 1)
 
@@ -197,9 +198,11 @@ class Controller:
         every round feeds it."""
         return self.costs.catch_up(n_lag) - self.costs.catch_up(1) if n_lag >= 2 else 0.0
 
-    def plan(self, k_cap: int, n_match: int, n_lookup: int, lag: tuple[int, bool] = (0, False)) -> tuple[str, int]:
-        """The source ("none", "draft", "lookup") and most tokens to draft this round; lag is
-        the draft's (tokens to decode before drafting, whether its prefill is among them)."""
+    def plan(self, k_cap: int, n_match: int, n_lookup: int, lag: tuple[int, bool] = (0, False),
+             n_kv: int = 0) -> tuple[str, int]:
+        """The source ("none", "draft", "lookup") and most tokens to draft this round; lag: the
+        draft's (tokens to decode first, whether its prefill is among them); n_kv: tokens held."""
+        self._n_kv, self._c_d = n_kv, self.costs.draft_cost(self._load[1] > 1, n_kv)
         # a round makes at most k + 1 tokens: drafts past the generation's end buy nothing
         k_cap = min(k_cap, self.limit, self.n_left - 1 if self.n_left > 0 else k_cap)
         self._round, self._match, self._trying = None, n_match, False
@@ -214,18 +217,15 @@ class Controller:
             on_record, _ = self._best_draft_rate(self.draft_acceptance.mean(), k_cap, lag_per_token=lag_per_token)
             # optimistic until the pair has judged N_EXPLORE drafts: a draft never tried is
             # never learned (a pessimistic start kept a fresh load plain through whole
-            # generations of code it drafts at 80%), and nor is one whose first draft, an
-            # answer's unsure opening, was rejected (a prior of 1 worth two tokens then sank
-            # to 0.67, below what drafting needs on this CPU); a few rounds find out. After
-            # that, hoping for RECORD_HOPE standard errors above the mean (greedy on it, an
-            # unlucky start kept a draft off that only drafting could renew). Hope is for a
-            # generation planning alone: beside other lanes a draft that loses costs every
-            # lane's pass (its prefill and steps stall them) while what it teaches serves one
-            # lane, so there it plans on the mean (8 requests at once in a new process each
-            # explored: 6 prefills of 0.4-1.0 s for 79 drafts, 41% accepted; with no record
-            # the hope alone lifts a pair to 1.0). Nor for a prefill over explore_allowance():
-            # a long prompt's (17 s for 2,900 tokens here) is paid in full on the request's
-            # path, where idle time would catch the draft up for the next turn for free
+            # generations of code it drafts at 80%), nor one whose first draft, an answer's
+            # unsure opening, was rejected; a few rounds find out. After that, hoping for
+            # RECORD_HOPE standard errors above the mean (greedy on it, an unlucky start kept
+            # a draft off that only drafting could renew). Hope is for a generation planning
+            # alone: beside other lanes a draft that loses stalls every lane's pass while what
+            # it teaches serves one lane (8 requests at once in a new process each explored: 6
+            # prefills of 0.4-1.0 s for 79 drafts, 41% accepted). Nor for a prefill over
+            # explore_allowance(): a long prompt's (17 s for 2,900 tokens here) is paid in
+            # full on the request's path, where idle time would catch the draft up for free
             if self._load[1] > 1 or (lag[1] and self._catch_up(lag[0]) > self.explore_allowance()):
                 hope = self.draft_acceptance.mean()
             elif self.draft_acceptance.n_judged < N_EXPLORE:
@@ -263,7 +263,7 @@ class Controller:
             return "more"
         if r.t_last is not None:
             # one draft decode since the last call
-            self.costs.observe_draft_step(now - r.t_last, shared=self._load[1] > 1)
+            self.costs.observe_draft_step(now - r.t_last, self._load[1] > 1, self._n_kv)
         r.t_last = now
         # x_i's row comes after the root, x_1..x_{i-1} and the siblings verified beside them
         i, v, c_d = len(confidences) + r.n_siblings, r.v, self._c_d
@@ -339,7 +339,7 @@ class Controller:
         self._load = (n_other, n_lanes)
         n_rows = self.limit + TREE_ROWS
         self._v = shared_pass_costs(self.costs.table(n_rows + n_other), n_other, n_lanes, n_rows, n_cap)
-        self._c_d = self.costs.draft_cost(shared=n_lanes > 1)
+        self._c_d = self.costs.draft_cost(n_lanes > 1, self._n_kv)
 
     def _pay_for_trying(self, outcome: RoundOutcome) -> None:
         """Rounds without the draft earn credit; a round that tried it again pays its modelled
