@@ -68,6 +68,7 @@ class Planner:
                  idle: IdleWork, draft_cache: Optional[PromptCache] = None):
         self.target, self.draft, self.lookup, self.idle = target, draft, lookup, idle
         self._stash, self._draft_cache = stash, draft_cache
+        self._conversation: list[int] = []  # the last generation's tokens, for the draft to catch up with
         self._costs: Optional[Costs] = None
         self.costs_record: Optional[dict] = None  # what the costs in use came from, with its evidence
         self._online_costs: Optional[OnlineCosts] = None
@@ -238,12 +239,15 @@ class Planner:
         draft, cache = self.draft, self._draft_cache
         if draft is None or cache is None or draft.follows_target:
             return
-        if len(self.target.cached) - common_prefix(draft.cached, self.target.cached) < CATCH_UP_MIN and \
-                not self._draft_kv_wanted(len(self.target.cached)):
+        # the conversation as it ends now: a probe queued before the task may take the target's
+        # context first (its state kept in RAM), and the draft then caught up with the probe's
+        self._conversation = list(self.target.cached)
+        if len(self._conversation) - common_prefix(draft.cached, self._conversation) < CATCH_UP_MIN and \
+                not self._draft_kv_wanted(len(self._conversation)):
             return
 
         def run(stop: Callable[[], bool]) -> None:
-            tokens = list(self.target.cached)
+            tokens = self._conversation
             n_batch = cache.runtime.n_batch
             for end in range(common_prefix(draft.cached, tokens) // n_batch * n_batch + n_batch, len(tokens) + n_batch,
                              n_batch):

@@ -84,10 +84,13 @@ def test_the_draft_s_step_is_timed_at_a_long_conversation_s_length_when_idle(mod
         assert llm.planner.costs(measure=True) is not None
     with load(model_paths, idle_work=False) as llm:
         assert llm.planner.costs() is not None and llm.planner.costs().draft_kv is None
-        llm.generate(prompt, max_tokens=8, n_draft=0)  # the draft is left behind
-        assert "the draft catching up with the conversation" in llm.idle.pending()
-        llm.warm_up()
+        llm.generate("def f(x):", max_tokens=4, n_draft=0)  # queues a probe at the short context,
+        llm.generate(prompt, max_tokens=8, n_draft=0)  # which runs before the draft catches up here
         conversation = list(llm.target.cached)
+        pending = llm.idle.pending()
+        assert "the draft catching up with the conversation" in pending and "the reuse difference at KV <= 256" \
+            in pending
+        llm.warm_up()
         assert list(llm.draft.cached) == conversation  # caught up, and as it was after the timing
         timed = records.draft_kv(records.read(key))
         assert timed is not None and timed[0] == len(conversation) >= 512 and 0 < timed[1] < 5
