@@ -159,6 +159,7 @@ class Planner:
         self.costs_record = records.write(costs_key(self.target, self.draft),
                                           records.costs_value(costs.verify, costs.draft_token, **evidence),
                                           "probe while idle")
+        self._queue_catch_up()  # the probe took the draft's context; a long conversation's step is timed
         return True
 
     def learned(self, policy: Policy) -> None:
@@ -236,12 +237,15 @@ class Planner:
         its step is timed where the costs know none at such a length (_draft_kv_wanted)."""
         if self.target.cached:
             self.reuse_diffs.get(len(self.target.cached) - 1)
-        draft, cache = self.draft, self._draft_cache
-        if draft is None or cache is None or draft.follows_target:
-            return
         # the conversation as it ends now: a probe queued before the task may take the target's
         # context first (its state kept in RAM), and the draft then caught up with the probe's
         self._conversation = list(self.target.cached)
+        self._queue_catch_up()
+
+    def _queue_catch_up(self) -> None:
+        draft, cache = self.draft, self._draft_cache
+        if draft is None or cache is None or draft.follows_target:
+            return
         if len(self._conversation) - common_prefix(draft.cached, self._conversation) < CATCH_UP_MIN and \
                 not self._draft_kv_wanted(len(self._conversation)):
             return
