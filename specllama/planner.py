@@ -271,8 +271,7 @@ class Planner:
         return self._costs.draft_kv is None or self._costs.draft_kv[0] < 0.75 * n_kv
 
     def _time_draft_kv(self, stop: Callable[[], bool]) -> None:
-        """A draft step at the end of the conversation (idle: the cores are free), kept in the
-        costs record and followed by the costs in use."""
+        """A draft step at the end of the conversation (idle), kept in the costs record and used."""
         assert self.draft is not None and self._costs is not None
         n_kv, seconds = time_draft_step(self.draft, stop)
         self._costs = replace(self._costs, draft_kv=(n_kv, seconds))
