@@ -182,9 +182,11 @@ class Slots:
                     "slot takes")
         return ""
 
-    def grow(self) -> Slot:
-        """A new slot: contexts on the same models (call with the models' turn held: llama.cpp
-        makes a context while nothing decodes)."""
+    def grow(self, owner: int) -> Slot:
+        """A new slot, owner's from the start: contexts on the same models (call with the
+        models' turn held: llama.cpp makes a context while nothing decodes). It is visible to
+        free_for() once appended, so it is owned before: a request woken meanwhile took a slot
+        made for another, and both decoded in it."""
         first = self.first
         make = self.lane_of if self.lane_of is not None else lambda _: first.target.sibling()  # type: ignore[attr-defined]
         target: Any = make(len(self.all))
@@ -203,6 +205,7 @@ class Slots:
                     None if draft is None or first.draft_cache is None
                     else PromptCache(draft, self.budget, owner=first.draft_cache), n_bytes=n_bytes,
                     lane=first.lane)
+        slot.owner = owner
         self.more.append(slot)
         log.info("%s: a request decodes in %s %d, beside %d others (%s)", first.target.name,
                  "lane" if slot.lane else "slot", slot.index, len(self.all) - 1,
@@ -316,7 +319,7 @@ class Pool:
         try:
             with self.turn:
                 check_open()
-                new = slots.grow()
+                new = slots.grow(me)
         except (SlotUnavailable, InvalidParameterError) as e:
             log.warning("%s: no further slot (%s); requests beyond %d wait for one to be free",
                         slots.first.target.name, e, len(slots.all))
@@ -327,8 +330,6 @@ class Pool:
                     slots.n_max = len(slots.all)
                 self._cv.notify_all()
         if new is not None:
-            with self._cv:
-                new.owner = me
             return new
         with self._cv:
             return self._take(slots, prompt, me)

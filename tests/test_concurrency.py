@@ -266,3 +266,42 @@ def leave_beside(client, asks: list[str], stop_after: int) -> dict:
     for t in threads:
         t.join(300)
     return got
+
+
+def test_a_slot_made_for_one_request_is_never_taken_by_another(tiny_paths, monkeypatch):
+    """Two slots, the first busy with an open stream: request A makes the second while request
+    B, finding every slot busy, waits for one. B was woken once A's slot was made and took it
+    before A marked it as its own, so both decoded in one slot (in a shared context, llama_decode
+    failed with status -1: the same prompt decoded twice into one lane's sequence, in 3 of 6 runs
+    of the concurrency benchmark; in contexts of their own, B's text silently changed). Each
+    request gets a slot of its own (Pool's rule, the same for lanes)."""
+    from specllama.slots import Slots
+
+    real_grow = Slots.grow
+
+    def slow_grow(self, *args):  # the window between making the slot and owning it, made wide, and
+        slot = real_grow(self, *args)  # in it what another thread does there (a stream ends, a slot is made)
+        with llm.pool._cv:
+            llm.pool._cv.notify_all()
+        time.sleep(0.3)
+        return slot
+
+    with specllama.load(tiny_paths["attention-draft"], n_parallel=2, **SETTINGS) as llm:
+        prompts = [llm.tokenize("Hello there, friend"), llm.tokenize("Once upon a time")]
+        solo = [llm.generate(p, max_tokens=16).tokens for p in prompts]
+        monkeypatch.setattr(Slots, "grow", slow_grow)
+        held = llm.stream("One two three", max_tokens=8)
+        next(held)  # the first slot is this stream's until it ends
+        results: list = [None, None]
+
+        def ask(i):
+            results[i] = llm.generate(prompts[i], max_tokens=16)
+
+        threads = [threading.Thread(target=ask, args=(i,)) for i in range(2)]
+        threads[0].start()
+        time.sleep(0.1)  # A is making the second slot
+        threads[1].start()
+        threads[0].join(60)
+        held.close()
+        threads[1].join(60)
+    assert [r.tokens if r is not None else None for r in results] == solo
