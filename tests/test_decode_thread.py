@@ -98,3 +98,19 @@ def test_the_thread_ends_when_idle_and_the_next_call_starts_another(monkeypatch)
     for pause in (0.03, 0.045, 0.05, 0.055, 0.07) * 4:  # calls racing the thread's end
         time.sleep(pause)
         assert decoder.run(lambda: 11) == 11
+
+
+def test_a_failed_decode_says_what_llama_cpp_logged(tiny_paths):
+    """llama_decode's status -1 is any invalid batch; why is only in llama.cpp's log, which is
+    silent unless verbose. A batch whose positions skip ahead of the cache raises a DecodeError
+    naming llama.cpp's reason, and the runtime decodes on afterwards."""
+    from specllama.errors import DecodeError
+    from specllama.runtime import ModelSettings, Runtime
+
+    with Runtime.load(tiny_paths["attention-draft"], ModelSettings(**SETTINGS)) as rt:
+        rt.decode([1, 2, 3])
+        rt._batch.fill([4], 7, 1)  # position 7 after 0..2: not consecutive
+        with pytest.raises(DecodeError, match=r"status -1 .*position 7 .*llama.cpp: .*consecutive"):
+            rt._pass(7, 1)
+        rt.decode([4])
+        assert rt.cached == [1, 2, 3, 4]

@@ -31,6 +31,8 @@ from typing import Any, Optional
 
 import llama_cpp
 
+from .ggml import LOG_SINK
+
 IDLE_EXIT_SECONDS = 5.0
 
 
@@ -101,6 +103,13 @@ class DecodeThread:
 DECODER = DecodeThread()
 
 
-def llama_decode(ctx: Any, batch: Any) -> int:
-    """llama_cpp.llama_decode(ctx, batch) on the decode thread."""
-    return int(DECODER.run(llama_cpp.llama_decode, ctx, batch))
+def llama_decode(ctx: Any, batch: Any) -> tuple[int, str]:
+    """llama_cpp.llama_decode(ctx, batch) on the decode thread: its status, and what llama.cpp
+    logged as an error meanwhile (why a batch failed; "" when nothing was)."""
+    return DECODER.run(_decode, ctx, batch)
+
+
+def _decode(ctx: Any, batch: Any) -> tuple[int, str]:
+    with LOG_SINK.errors() as errors:
+        status = int(llama_cpp.llama_decode(ctx, batch))
+    return status, " ".join(" ".join(errors).split()) if status else ""

@@ -46,6 +46,9 @@ register = bind("ggml_backend_register", None, ctypes.c_void_p)
 _dev_backend_reg = bind("ggml_backend_dev_backend_reg", ctypes.c_void_p, ctypes.c_void_p)
 
 
+LOG_ERROR, LOG_CONT = 4, 5  # ggml_log_level: an error, the rest of the previous message
+
+
 class _LogSink:
     """Routes llama.cpp's process-wide log callback; silent unless a runtime asked for verbose.
 
@@ -56,6 +59,7 @@ class _LogSink:
     def __init__(self) -> None:
         self.verbose = False
         self.interrupt: Optional[BaseException] = None
+        self._local = threading.local()  # errors: the list a caller collects this thread's errors in
         self._callback = llama_cpp.llama_log_callback(self._write)
         llama_cpp.llama_log_set(self._callback, ctypes.c_void_p(0))
 
@@ -63,8 +67,24 @@ class _LogSink:
         try:
             if self.verbose:
                 sys.stderr.write(text.decode("utf-8", errors="replace"))
+            errors = getattr(self._local, "errors", None)
+            if errors is not None:
+                error = level == LOG_ERROR or (level == LOG_CONT and getattr(self._local, "in_error", False))
+                self._local.in_error = error
+                if error:
+                    errors.append(text.decode("utf-8", errors="replace"))
         except BaseException as e:  # KeyboardInterrupt, raised here by Python's signal handler
             self.interrupt = e
+
+    @contextmanager
+    def errors(self) -> Iterator[list[str]]:
+        """The error lines llama.cpp logs in this thread meanwhile (a failed llama_decode says why
+        only in its log: a status of -1 is any invalid batch), whether or not verbose is on."""
+        self._local.errors, self._local.in_error = [], False
+        try:
+            yield self._local.errors
+        finally:
+            self._local.errors = None
 
     def keep_loading(self, fraction: float, user_data: Any) -> bool:
         """llama.cpp's progress callback for a model load: False (stop) once Ctrl-C was pressed."""

@@ -113,12 +113,13 @@ class MtpHead:
                 c.logits[i] = logits and start + i == len(tokens) - 1
                 self._embd[i] = 0.0 if h is None else h
             c.n_tokens = len(chunk)
-            status = llama_decode(self._ctx.ptr, c)
+            status, why = llama_decode(self._ctx.ptr, c)
             if status != 0:
                 llama_cpp.llama_memory_seq_rm(self._mem, 0, self.n_cached, -1)
                 if status == 1:
                     raise ContextFullError(f"{self.name}: no KV cache slot for {len(chunk)} tokens")
-                raise DecodeError(f"{self.name}: llama_decode failed with status {status}")
+                raise DecodeError(f"{self.name}: llama_decode failed with status {status}"
+                                  + (f" (llama.cpp: {why})" if why else ""))
             self.n_cached += len(chunk)
         self._n_rows = 1 if logits else 0
         if logits:

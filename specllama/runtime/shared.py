@@ -49,6 +49,7 @@ class _Job:
     taken: bool = False
     done: bool = False
     status: int = 0
+    why: str = ""  # what llama.cpp logged when its pass failed
     rows: dict[int, np.ndarray] = field(default_factory=dict)
     n_rows: int = 0
     seconds: float = 0.0  # the pass's llama_decode
@@ -210,33 +211,34 @@ class SharedContext:
 
     def _run(self, group: list[_Job]) -> None:
         status = self._decode(group)
-        if status != 0 and len(group) > 1:  # which lane does not fit: each alone
+        if status[0] != 0 and len(group) > 1:  # which lane does not fit: each alone
             mem = llama_cpp.llama_get_memory(self._ctx.ptr)
             for job in group:
                 p0 = min(pos for _, pos, _, _ in job.items)
                 for seq in {s for _, _, seqs, _ in job.items for s in seqs}:
                     llama_cpp.llama_memory_seq_rm(mem, seq, p0, -1)
             for job in group:
-                job.status = self._decode([job])
+                job.status, job.why = self._decode([job])
                 job.done = True
             return
         for job in group:
-            job.status, job.done = status, True
+            job.status, job.why, job.done = *status, True
 
-    def _decode(self, group: list[_Job]) -> int:
+    def _decode(self, group: list[_Job]) -> tuple[int, str]:
+        """One llama_decode of the group's rows: its status and what llama.cpp logged if it failed."""
         offset = 0
         for job in group:
             self._batch.fill_items(job.items, offset)
             offset += len(job.items)
         self._batch.c.n_tokens = offset
         t0 = time.perf_counter()
-        status = llama_decode(self._ctx.ptr, self._batch.c)
+        status, why = llama_decode(self._ctx.ptr, self._batch.c)
         seconds = time.perf_counter() - t0
         self._t_pass = seconds
         self.n_passes += 1
         self.n_shared_passes += len(group) > 1
         if status != 0:
-            return status
+            return status, why
         n_rows, offset = offset, 0
         for job in group:
             job.n_rows, job.seconds, job.n_lanes = n_rows, seconds, len(group)
@@ -247,7 +249,7 @@ class SharedContext:
                         raise DecodeError(f"{self.name}: llama.cpp returned no logits for batch row {offset + i}")
                     job.rows[i] = np.ctypeslib.as_array(ptr, shape=(self.n_vocab,)).copy()
             offset += len(job.items)
-        return 0
+        return 0, ""
 
 
 def _groups(jobs: list[_Job], n_batch: int) -> list[list[_Job]]:
