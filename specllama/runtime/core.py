@@ -20,7 +20,7 @@ import numpy as np
 from ..errors import ContextFullError, DecodeError
 from . import session
 from .batches import chunk_bounds
-from .decoder import llama_decode
+from .decoder import check_status, llama_decode
 from .ggml import MemoryUse
 from .handles import Batch, Handle
 from .memory import memory_of
@@ -210,29 +210,17 @@ class Runtime(Vocab, TreeDecoding):
         """llama_decode the filled batch (a lane: through its shared context, maybe beside other
         lanes' rows, which keeps copies of this batch's rows)."""
         if self._lane is None:
-            self._check(*llama_decode(self._ctx.ptr, self._batch.c), pos, n_tokens)
+            check_status(*llama_decode(self._ctx.ptr, self._batch.c), self.name, pos, n_tokens)
             self.n_batch_rows, self.n_batch_lanes, self.t_waited = n_tokens, 1, 0.0
             return
         job = self._lane.shared.decode(self._batch, self.batch_cap)
         self._rows.copied, self.n_batch_rows, self.n_batch_lanes = job.rows, job.n_rows, job.n_lanes
         self.t_waited, self.t_waited_total = job.waited, self.t_waited_total + job.waited
-        self._check(job.status, job.why, pos, n_tokens)
+        check_status(job.status, job.why, self.name, pos, n_tokens)
 
     @property
     def n_lanes_active(self) -> int:  # lanes generating in its shared context now (1: its own)
         return 1 if self._lane is None else max(1, self._lane.shared.n_active())
-
-    def _check(self, status: int, why: str, pos: int, n_tokens: int) -> None:
-        """Raise for llama_decode's status; why: what llama.cpp logged as an error."""
-        if status == 0:
-            return
-        if status == 1:
-            raise ContextFullError(f"{self.name}: no KV cache slot for {n_tokens} tokens at position {pos}; "
-                                   "raise n_ctx or shorten the prompt")
-        if status == 2:
-            raise DecodeError(f"{self.name}: llama_decode was aborted")
-        raise DecodeError(f"{self.name}: llama_decode failed with status {status} for {n_tokens} tokens at "
-                          f"position {pos}" + (f" (llama.cpp: {why})" if why else ""))
 
     def logits(self, row: int) -> np.ndarray:
         """Zero-copy view of logit row `row` (0-based among the rows the last decode kept).

@@ -31,6 +31,7 @@ from typing import Any, Optional
 
 import llama_cpp
 
+from ..errors import ContextFullError, DecodeError
 from .ggml import LOG_SINK
 
 IDLE_EXIT_SECONDS = 5.0
@@ -113,3 +114,16 @@ def _decode(ctx: Any, batch: Any) -> tuple[int, str]:
     with LOG_SINK.errors() as errors:
         status = int(llama_cpp.llama_decode(ctx, batch))
     return status, " ".join(" ".join(errors).split()) if status else ""
+
+
+def check_status(status: int, why: str, name: str, pos: int, n_tokens: int) -> None:
+    """Raise for a llama_decode status of n_tokens at pos (why: what llama.cpp logged)."""
+    if status == 0:
+        return
+    if status == 1:
+        raise ContextFullError(f"{name}: no KV cache slot for {n_tokens} tokens at position {pos}; "
+                               "raise n_ctx or shorten the prompt")
+    if status == 2:
+        raise DecodeError(f"{name}: llama_decode was aborted")
+    raise DecodeError(f"{name}: llama_decode failed with status {status} for {n_tokens} tokens at position {pos}"
+                      + (f" (llama.cpp: {why})" if why else ""))

@@ -11,7 +11,7 @@ import llama_cpp
 import numpy as np
 
 from ..errors import ContextFullError, DecodeError, InvalidParameterError
-from .decoder import llama_decode
+from .decoder import check_status, llama_decode
 from .ggml import MemoryUse
 from .handles import Handle, new_context
 from .settings import ModelSettings
@@ -116,10 +116,7 @@ class MtpHead:
             status, why = llama_decode(self._ctx.ptr, c)
             if status != 0:
                 llama_cpp.llama_memory_seq_rm(self._mem, 0, self.n_cached, -1)
-                if status == 1:
-                    raise ContextFullError(f"{self.name}: no KV cache slot for {len(chunk)} tokens")
-                raise DecodeError(f"{self.name}: llama_decode failed with status {status}"
-                                  + (f" (llama.cpp: {why})" if why else ""))
+                check_status(status, why, self.name, self.n_cached, len(chunk))
             self.n_cached += len(chunk)
         self._n_rows = 1 if logits else 0
         if logits:
