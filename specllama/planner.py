@@ -362,8 +362,9 @@ class Planner:
 
 
 def _working_clock(draft: Optional[Drafter]) -> Callable[[], float]:
-    """The controller's clock: seconds now, less what the draft's decodes waited for other
-    lanes' passes (the gaps between draft_more calls then time its steps, not the others')."""
+    """The controller's clock: seconds now, less what the draft's decodes spent on other lanes
+    (waiting for their passes, and their rows' share of the passes its rows rode in): the gaps
+    between draft_more calls then time this lane's share of its steps, not the others'."""
     if draft is None:
         return time.perf_counter
     return lambda: time.perf_counter() - draft.t_waited_total

@@ -192,6 +192,19 @@ def test_a_lane_s_draft_steps_are_timed_without_its_waits():
     assert _working_clock(None) is time.perf_counter
 
 
+def test_a_lane_s_share_of_a_shared_pass_is_its_rows_share():
+    """Pure: two draft lanes' steps in one pass of the 0.5B draft took 42-57 ms against 18 ms for
+    one; each lane priced its steps at the whole pass (the controller's clock counted it all),
+    so beside another lane a draft step looked 2-3x its cost and the lanes decoded plainly."""
+    job = _Job([], 8)
+    job.seconds, job.n_rows = 0.042, 2
+    assert job.for_others(1) == pytest.approx(0.021)
+    job.n_rows = 6  # its 4 verify rows beside another lane's 2
+    assert job.for_others(4) == pytest.approx(0.014)
+    job.n_rows = 1  # its row alone
+    assert job.for_others(1) == 0.0
+
+
 def test_batch_requests_is_checked(model_paths):
     with pytest.raises(InvalidParameterError, match="batch_requests"):
         specllama.load(model_paths["target"], batch_requests="yes", **SETTINGS)

@@ -215,7 +215,8 @@ class Runtime(Vocab, TreeDecoding):
             return
         job = self._lane.shared.decode(self._batch, self.batch_cap)
         self._rows.copied, self.n_batch_rows, self.n_batch_lanes = job.rows, job.n_rows, job.n_lanes
-        self.t_waited, self.t_waited_total = job.waited, self.t_waited_total + job.waited
+        # the total also leaves out the other lanes' rows' share of the pass (shared._Job.for_others)
+        self.t_waited, self.t_waited_total = job.waited, self.t_waited_total + job.waited + job.for_others(n_tokens)
         check_status(job.status, job.why, self.name, pos, n_tokens)
 
     @property

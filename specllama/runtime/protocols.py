@@ -22,7 +22,7 @@ class Drafter(Protocol):
     n_ctx: int
     memory_use: Optional[MemoryUse]
     follows_target: bool
-    t_waited_total: float  # seconds its decodes waited for other lanes' passes (0: none shared)
+    t_waited_total: float  # seconds its decodes spent on other lanes: waiting, their rows' share of shared passes
 
     @property
     def cached(self) -> list[int]: ...
