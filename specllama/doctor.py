@@ -81,7 +81,8 @@ def model_report(llm: Any, n_groups: int = 3) -> dict:
     assert costs is not None  # measured just now
     rows = [{"kv": group_label(kv_group(f.n_kv)), "n_kv": f.n_kv, "max_diff": max(f.diffs, default=0.0),
              "measured": records.describe(records.read(fidelity_key(target, kv_group(f.n_kv)))),
-             **{f"max_verify_{name}": f.largest_batch(LEVELS[name].bound) for name in ("bitwise", "rounding")}}
+             **{f"max_verify_{name}": f.largest_batch(LEVELS[name].bound) for name in ("bitwise", "rounding")},
+             "verify_ms": {n: round(f.verify_seconds[n - 1] * 1000, 1) for n in (1, 4) if len(f.verify_seconds) >= n}}
             for f in fidelity]
     k_max = min(fidelity[0].largest_batch(LEVELS["rounding"].bound), MAX_VERIFY) - 1
     return {"target": target.name, "draft": draft.name if draft is not None else None,
@@ -178,7 +179,9 @@ def print_report(report: dict) -> list[str]:
         lines += [f"  {line}" for line in describe_memory(m["memory"])]
         lines.append(f"  largest verify batch (bitwise / rounding, bound {m['rounding_bound']:g} logits):")
         lines += [f"    {row['kv']:>14}: {row['max_verify_bitwise']:2} / {row['max_verify_rounding']:2}"
-                  f"   (largest difference {row['max_diff']:.3g}; {row['measured']})" for row in m["fidelity"]]
+                  f"   (largest difference {row['max_diff']:.3g}"
+                  + "".join(f"; a pass of {n} row{'s' * (n > 1)} {ms} ms" for n, ms in row["verify_ms"].items())
+                  + f"; {row['measured']})" for row in m["fidelity"]]
         v = m["costs_ms"]["v"]
         lines.append("  decode ms by batch size: " + ", ".join(f"{n}: {t}" for n, t in v.items())
                      + (f"; draft {m['costs_ms']['draft_token']} a token" if m["draft"] else "")

@@ -183,7 +183,7 @@ class Planner:
                                                   ("draft_batch", corrected.draft_batch),
                                                   ("draft_kv", corrected.draft_kv)) if value}),
                                           "live rounds (the probed curve was off by more than 1.5x)")
-        self._costs, self._online_costs = corrected, OnlineCosts(corrected)
+        self._costs, self._online_costs = corrected, OnlineCosts(corrected, verify_kv=self.batch_diffs.groups)
 
     # --- fidelity and reuse, measured on the live conversation when idle ------------------------
 
@@ -351,7 +351,7 @@ class Planner:
             costs, acceptance = OnlineCosts(self._costs, frozen=True), Acceptance()
         else:
             if self._online_costs is None:
-                self._online_costs = OnlineCosts(self._costs, v1_live=self._v1_live)
+                self._online_costs = OnlineCosts(self._costs, v1_live=self._v1_live, verify_kv=self.batch_diffs.groups)
             costs, acceptance = self._online_costs, self._acceptance[req.sampling.greedy]
         lookup = self.lookup is True or (self.lookup is None and has_draft)
         limit = min(limit, MAX_DRAFT)

@@ -98,7 +98,8 @@ def test_doctor_with_a_model_gives_fidelity_costs_and_a_verdict(model_paths):
     assert [row["kv"] for row in m["fidelity"]] == ["KV <= 256", "KV <= 512", "KV 768-1024"]
     for row in m["fidelity"]:
         assert 1 <= row["max_verify_bitwise"] <= row["max_verify_rounding"] <= 17
+        assert 0 < row["verify_ms"]["1"] <= row["verify_ms"].get("4", row["verify_ms"]["1"]) * 1.5  # timed passes
     assert m["costs_ms"]["v"]["1"] > 0 and m["costs_ms"]["draft_token"] > 0
     assert m["verdict"].startswith(("a draft can pay here", "a draft cannot"))
     assert "weights" in m["memory_plan"]
-    assert m["slots"] == {"n_max": 4, "note": ""}
+    assert m["slots"]["n_max"] == 4 and m["slots"]["note"] == "" and "possible" in m["slots"]["batch_requests"]

@@ -891,3 +891,46 @@ def test_a_draft_step_is_priced_at_the_length_of_the_context_it_attends_over():
     assert first_plan(short, (2870, True)) == "draft"  # the short step's price: the prefill looks repaid
     assert first_plan(long, (2870, True)) == "none"
     assert first_plan(long, (0, False)) == "draft"
+
+
+def test_verify_passes_are_priced_at_the_length_of_the_context_a_probe_timed():
+    """Rounds at 2,900 cached tokens (F16 1.5B, this CPU) took 205 / 251 / 317 / 395 ms for 1 / 2
+    / 4 / 6 rows against 165 / 182 / 215 / 246 at the calibration's short context: each further
+    row cost about twice the short curve's, and a long turn's rounds drafted on the short price.
+    The fidelity probe at that length times such passes (one each, scattered); the costs price
+    the length's passes from them, in a line between lengths, and a round there then measures
+    the machine (the short context's prices stay), not the context."""
+    from types import SimpleNamespace
+
+    short = Costs((0.165, 0.182, 0.198, 0.215, 0.230, 0.246, *(0.246 + 0.016 * n for n in range(1, 12))), 0.018)
+    true = [0.205 + 0.038 * n for n in range(17)]
+    scatter = [1.0, 1.12, 0.9, 1.0, 1.1, 0.93, 1.0, 1.08, 0.95, 1.0, 1.1, 0.9, 1.0, 1.05, 0.97, 1.0, 1.0]
+    groups: dict = {}
+    costs = OnlineCosts(short, v1_live=[0.165] * 3, verify_kv=groups)
+
+    def plan_at(n_kv: int) -> int:
+        ticks = iter(np.arange(0.0, 10.0, 0.018))  # each draft step takes its calibrated 18 ms
+        p = Controller(costs, 16, has_draft=True, lookup=False, clock=lambda: float(next(ticks)))
+        for _ in range(40):
+            p.draft_acceptance.observe([0.9] * 8, 7)
+        assert p.plan(16, 0, 0, n_kv=n_kv)[0] == "draft"
+        n = 1
+        while p.draft_more([0.9] * n) == "more":  # how far the draft goes at a steady 90%
+            n += 1
+        return n
+
+    k_short_price = plan_at(2900)
+    assert costs.table(6, 2900)[1:].tolist() == pytest.approx(short.verify[:6])  # nothing timed there yet
+    groups[11] = SimpleNamespace(n_kv=3072, verify_seconds=tuple(t * s for t, s in zip(true, scatter)))
+    v = costs.table(6, 2900)  # the probe's cells (3,072): its passes, the scatter smoothed away
+    assert v[1] == pytest.approx(0.205) and v[2] == pytest.approx(0.243, rel=0.03)
+    assert v[6] == pytest.approx(0.395, rel=0.03)
+    assert costs.table(6, 100)[1:].tolist() == pytest.approx(short.verify[:6])
+    assert short.verify[0] < costs.table(1, 1500)[1] < 0.205  # in a line between
+    assert costs.table(1, 6000)[1] > 0.205  # and on beyond the longest length timed
+    assert plan_at(2900) < k_short_price  # each row dearer: shorter drafts
+    for _ in range(9):  # rounds at that length measure the machine, not the context
+        costs.observe_verify(4, 0.317, n_kv=2900)
+    assert costs.table(4, 100)[4] == pytest.approx(0.215, rel=0.05)
+    frozen = OnlineCosts(short, frozen=True, verify_kv=groups)  # seeded: the calibration alone
+    assert frozen.table(2, 2900)[1:].tolist() == pytest.approx(short.verify[:2])

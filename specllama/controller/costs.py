@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import statistics
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
-from typing import Optional
+from typing import Any, Optional
 
 import numpy as np
 
@@ -46,6 +46,30 @@ def kv_factor(costs: Costs, n_kv: int) -> float:
     return 1.0 + per_token * max(0, n_kv - STEP_CONTEXT)
 
 
+KV_PAD = 256  # llama.cpp pads the cells a pass attends over to a multiple of this (runtime.batches)
+KV_SHORT = KV_PAD  # the cells behind the calibration's passes (STEP_CONTEXT cached tokens, padded)
+
+
+def kv_cells(n_kv: int) -> int:
+    """The cells a pass after n_kv cached tokens attends over, padded as llama.cpp pads them."""
+    return max(KV_PAD, -(-(n_kv + 1) // KV_PAD) * KV_PAD)
+
+
+def verify_kv_factors(short: Costs, seconds: Sequence[float]) -> np.ndarray:
+    """Per size n = 1, 2, ...: a pass of n rows timed at a long context over the calibrated one
+    at the short context (short: its curve). seconds are a fidelity probe's: one-token decodes'
+    median, then one pass of each size, which scatter 15% from the next; a robust line through
+    the sizes from 2 on stands for them, never below the size before."""
+    fitted = np.array(seconds, dtype=float)
+    if len(fitted) >= 3:
+        n = np.arange(2, len(fitted) + 1, dtype=float)
+        i, j = np.triu_indices(len(n), 1)
+        slope = float(np.median((fitted[1:][j] - fitted[1:][i]) / (n[j] - n[i])))
+        fitted[1:] = float(np.median(fitted[1:] - slope * n)) + slope * n
+    fitted = np.maximum.accumulate(np.maximum(fitted, fitted[0]))
+    return fitted / np.array([short.v(n) for n in range(1, len(fitted) + 1)])
+
+
 class OnlineCosts:
     """Running estimates of v(n) and the draft's cost per token, starting from a calibration.
 
@@ -65,11 +89,19 @@ class OnlineCosts:
     three rounds plainly to learn what load just measured. They were timed at the curve's short
     context, so they count at their own level: v(1) follows the batch rounds' level (a long
     context's as much as a busier machine's) until plain rounds measure it.
+
+    verify_kv: the fidelity probes' measurements by KV group (live: groups measured later count
+    from then on), each with its KV length (n_kv) and the passes it timed (verify_seconds): a
+    pass's cost at a longer context follows them (kv_scale), so the ratios measure the machine,
+    and v(1) and each further row are priced at the context's length. Frozen costs ignore them.
     """
 
     def __init__(self, seed: Costs, *, window: int = 9, frozen: bool = False, refresh: int = 64,
-                 v1_live: Sequence[float] = ()):
+                 v1_live: Sequence[float] = (), verify_kv: Optional[Mapping[int, Any]] = None):
         self.seed, self.frozen, self.refresh = seed, frozen, refresh
+        self._verify_kv = {} if verify_kv is None or frozen else verify_kv
+        self._kv_points: list[tuple[int, np.ndarray]] = []  # (cells, verify_kv_factors) by length
+        self._kv_key: list[int] = []  # the measurements _kv_points were made from
         # the calibrated curve's shape, non-decreasing: a pass over more tokens never costs less
         self._shape = Costs(tuple(np.maximum.accumulate(seed.verify).tolist()), seed.draft_token)
         self._one: deque = deque(maxlen=window)  # [measured / calibrated v(1), the line's level then]
@@ -84,10 +116,11 @@ class OnlineCosts:
             self._one.extend([ratio, ratio] for ratio in (s / self._shape.v(1) for s in v1_live if s > 0))
         self._n_stand_ins = len(self._one)  # each plain round's own measurement replaces one
 
-    def observe_verify(self, n: int, seconds: float) -> None:
+    def observe_verify(self, n: int, seconds: float, n_kv: int = 0) -> None:
+        """A pass of n rows after n_kv cached tokens took seconds."""
         if self.frozen or seconds <= 0:
             return
-        ratio = seconds / self._shape.v(n)
+        ratio = seconds / (self._shape.v(n) * self.kv_scale(n, n_kv)[n - 1])
         self.n_observed += 1
         if n == 1:
             if self._n_stand_ins:
@@ -158,6 +191,31 @@ class OnlineCosts:
             return self.draft_token * (1.0 + per_token * (n - 1) / self.seed.draft_token)
         return self.draft_token * self._shape.v(n) / self._shape.v(1)
 
+    def kv_scale(self, n_max: int, n_kv: int) -> np.ndarray:
+        """Per size n = 1..n_max: a pass of n rows after n_kv cached tokens over one at the
+        calibration's short context. 1 there; at each length a probe timed, what its passes
+        took; in a line between (each row attends over every cell), and beyond the longest on
+        the line from the short context through it. On our CPU (F16 1.5B) rounds at 2,900 tokens
+        took 205 / 251 / 317 / 395 ms for 1 / 2 / 4 / 6 rows against 165 / 182 / 215 / 246
+        calibrated: each further row cost about twice the short curve's."""
+        key = [id(d) for d in list(self._verify_kv.values())]
+        if key != self._kv_key:
+            self._kv_key = key
+            self._kv_points = sorted(((kv_cells(d.n_kv - 1), verify_kv_factors(self._shape, d.verify_seconds))
+                                      for d in list(self._verify_kv.values())
+                                      if d.n_kv > KV_SHORT and len(d.verify_seconds) >= 3), key=lambda p: p[0])
+        cells, ones = kv_cells(n_kv), np.ones(n_max)
+        if not self._kv_points or cells <= KV_SHORT:
+            return ones
+        sizes = np.arange(n_max)
+        xs = [KV_SHORT] + [c for c, _ in self._kv_points]
+        ys = [ones] + [np.maximum(1.0, f[np.minimum(sizes, len(f) - 1)]) for _, f in self._kv_points]
+        if cells >= xs[-1]:
+            return 1.0 + (ys[-1] - 1.0) * (cells - KV_SHORT) / (xs[-1] - KV_SHORT)
+        i = int(np.searchsorted(xs, cells)) - 1  # xs[i] < cells < xs[i + 1]
+        w = (cells - xs[i]) / (xs[i + 1] - xs[i])
+        return (1.0 - w) * ys[i] + w * ys[i + 1]
+
     def _fit(self) -> tuple[float, float, int, int]:
         """(intercept, slope, n_lo, n_hi) of the ratio line over measured sizes n_lo..n_hi."""
         if self._line is None:
@@ -191,9 +249,9 @@ class OnlineCosts:
     def draft_token(self) -> float:
         return statistics.median(self._draft) if len(self._draft) >= 3 else self.seed.draft_token
 
-    def table(self, n_max: int) -> np.ndarray:
-        """[0, v(1), ..., v(n_max)]"""
-        v = np.array([self._shape.v(n) * self._ratio(n) for n in range(1, n_max + 1)])
+    def table(self, n_max: int, n_kv: int = 0) -> np.ndarray:
+        """[0, v(1), ..., v(n_max)] after n_kv cached tokens"""
+        v = np.array([self._shape.v(n) * self._ratio(n) for n in range(1, n_max + 1)]) * self.kv_scale(n_max, n_kv)
         v[1:] = np.maximum.accumulate(v[1:])  # more tokens never cost less
         return np.concatenate(([0.0], v))
 
@@ -219,6 +277,8 @@ class OnlineCosts:
                    if len(self._draft_shared) >= 3 else {}),
                 "draft_batch_ms": {n: round(self.catch_up(n) * 1000, 2) for n in (2, 8, 32)},
                 "draft_token_ms_at_kv": {n: round(self.draft_cost(False, n) * 1000, 2) for n in (1024, 4096)},
+                **({"v_ms_at_kv": {n: [round(float(x) * 1000, 2) for x in self.table(4, n)[[1, 2, 4]]]
+                                   for n in (1024, 4096)}} if self._kv_points else {}),
                 "n_observed": self.n_observed,
                 "frozen": self.frozen}
 

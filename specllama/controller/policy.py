@@ -156,7 +156,7 @@ class Controller:
         self._credit = 0.0  # modelled seconds the controller may spend trying the draft again
         self._trying = False  # this round tries a draft its record says loses
         self._rate_else = 0.0  # the best rate without the draft, as this round was planned
-        self._load = (0, 1)  # the last round's pass: other lanes' rows in it, lanes in it
+        self._load: tuple[int, int, Optional[int]] = (0, 1, None)  # load()'s: the last round's pass
         self._n_kv = 0  # cached tokens the round's draft steps attend over
 
     def _best_draft_rate(self, alpha: float, k_max: int, c_d: Optional[float] = None,
@@ -202,7 +202,8 @@ class Controller:
              n_kv: int = 0) -> tuple[str, int]:
         """The source ("none", "draft", "lookup") and most tokens to draft this round; lag: the
         draft's (tokens to decode first, whether its prefill is among them); n_kv: tokens held."""
-        self._n_kv, self._c_d = n_kv, self.costs.draft_cost(self._load[1] > 1, n_kv)
+        self._n_kv = n_kv
+        self.load(*self._load)  # the passes and draft steps priced at the context's length
         # a round makes at most k + 1 tokens: drafts past the generation's end buy nothing
         k_cap = min(k_cap, self.limit, self.n_left - 1 if self.n_left > 0 else k_cap)
         self._round, self._match, self._trying = None, n_match, False
@@ -312,7 +313,7 @@ class Controller:
         n_accepted = len(new) - 1
         self.n_left -= len(new)
         self._pay_for_trying(outcome)
-        self.costs.observe_verify(outcome.rows, outcome.seconds)
+        self.costs.observe_verify(outcome.rows, outcome.seconds, self._n_kv)
         if report.catch_up[0] >= 2:
             self.costs.observe_catch_up(*report.catch_up)
         self.draft_acceptance.age()
@@ -336,9 +337,9 @@ class Controller:
         n_cap: the most rows the pass may hold. A lane's first round plans for the lanes
         generating as it starts: planned as if alone, every request arriving at a busy server
         drafted its first round and started the draft's prefill."""
-        self._load = (n_other, n_lanes)
+        self._load = (n_other, n_lanes, n_cap)
         n_rows = self.limit + TREE_ROWS
-        self._v = shared_pass_costs(self.costs.table(n_rows + n_other), n_other, n_lanes, n_rows, n_cap)
+        self._v = shared_pass_costs(self.costs.table(n_rows + n_other, self._n_kv), n_other, n_lanes, n_rows, n_cap)
         self._c_d = self.costs.draft_cost(n_lanes > 1, self._n_kv)
 
     def _pay_for_trying(self, outcome: RoundOutcome) -> None:
@@ -370,9 +371,8 @@ class Controller:
         self.lookup_hits[i] += n_judged - (offer[n_judged - 1] != new[n_judged - 1])
 
     def _observe_tree(self, tokens: Sequence[int], tree: Tree, confidence: Sequence[float], new: list[int]) -> None:
-        """Judge every node whose parent the round reached: kept if on the accepted path. The
-        draft's chain calibrates its confidence and counts toward its mean acceptance;
-        siblings calibrate their own."""
+        """Judge every node whose parent the round reached: kept if on the accepted path. The chain
+        calibrates the draft's confidence and counts toward its mean; siblings calibrate their own."""
         on_path = {-1, *tree.path_of(tokens, new[:-1])}
         for i, (parent, c) in enumerate(zip(tree.parents, confidence)):
             if parent in on_path and c == c:  # reached, and drafted (lookup's have no confidence)
