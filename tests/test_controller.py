@@ -934,3 +934,25 @@ def test_verify_passes_are_priced_at_the_length_of_the_context_a_probe_timed():
     assert costs.table(4, 100)[4] == pytest.approx(0.215, rel=0.05)
     frozen = OnlineCosts(short, frozen=True, verify_kv=groups)  # seeded: the calibration alone
     assert frozen.table(2, 2900)[1:].tolist() == pytest.approx(short.verify[:2])
+
+
+def test_a_long_conversation_s_rounds_do_not_rewrite_the_short_curve():
+    """Priced from the short curve, rounds at 2,900 tokens (F16 pair, exact=1.0, this CPU) read
+    as a machine 1.5x slower: drift() replaced the cached curve, 73 / 91 / 101 / 109 ms for 1-4
+    rows becoming 82 / 119 / 135 / 150 on disk, which every later short conversation then used.
+    Priced at the length the probe timed, the same rounds agree with the curve."""
+    from types import SimpleNamespace
+
+    short = Costs((0.073, 0.091, 0.101, 0.109, 0.117, 0.125, *(0.125 + 0.008 * n for n in range(1, 12))), 0.016)
+    probe = SimpleNamespace(n_kv=3072, verify_seconds=(0.102, 0.138, 0.156, 0.172, 0.189, 0.203, 0.220))
+    drifted = []
+    for verify_kv in (None, {4: probe}):
+        costs = OnlineCosts(short, v1_live=[0.073] * 3, verify_kv=verify_kv)
+        for i in range(40):  # what rounds there took: the probe's passes, within their scatter
+            n = 2 + i % 5
+            costs.observe_verify(n, probe.verify_seconds[n - 1] * (1.05 if i % 2 else 0.95), n_kv=2900)
+            if i % 8 == 0:
+                costs.observe_verify(1, 0.100, n_kv=2900)
+        drifted.append(costs.drift())
+    assert drifted[0] is not None and drifted[0].v(4) > 1.3 * short.v(4)
+    assert drifted[1] is None
