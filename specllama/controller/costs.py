@@ -4,12 +4,15 @@ from a calibration that the rounds' own timings keep correcting (OnlineCosts).""
 from __future__ import annotations
 
 import statistics
+import sys
 from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, Optional
 
 import numpy as np
+
+from ..runtime.batches import kv_length
 
 
 
@@ -46,13 +49,16 @@ def kv_factor(costs: Costs, n_kv: int) -> float:
     return 1.0 + per_token * max(0, n_kv - STEP_CONTEXT)
 
 
-KV_PAD = 256  # llama.cpp pads the cells a pass attends over to a multiple of this (runtime.batches)
-KV_SHORT = KV_PAD  # the cells behind the calibration's passes (STEP_CONTEXT cached tokens, padded)
+KV_SHORT = kv_length(STEP_CONTEXT + 1, sys.maxsize)  # the cells behind the calibration's passes
 
 
-def kv_cells(n_kv: int) -> int:
-    """The cells a pass after n_kv cached tokens attends over, padded as llama.cpp pads them."""
-    return max(KV_PAD, -(-(n_kv + 1) // KV_PAD) * KV_PAD)
+def theil_sen(x: np.ndarray, y: np.ndarray) -> tuple[float, float]:
+    """(intercept, slope) of a robust line through the points: the median of the slopes between
+    points at distinct x (0 where there are none), then the median intercept."""
+    i, j = np.triu_indices(len(x), 1)
+    distinct = x[i] != x[j]
+    slope = float(np.median((y[j] - y[i])[distinct] / (x[j] - x[i])[distinct])) if distinct.any() else 0.0
+    return float(np.median(y - slope * x)), slope
 
 
 def verify_kv_factors(short: Costs, seconds: Sequence[float]) -> np.ndarray:
@@ -63,9 +69,8 @@ def verify_kv_factors(short: Costs, seconds: Sequence[float]) -> np.ndarray:
     fitted = np.array(seconds, dtype=float)
     if len(fitted) >= 3:
         n = np.arange(2, len(fitted) + 1, dtype=float)
-        i, j = np.triu_indices(len(n), 1)
-        slope = float(np.median((fitted[1:][j] - fitted[1:][i]) / (n[j] - n[i])))
-        fitted[1:] = float(np.median(fitted[1:] - slope * n)) + slope * n
+        intercept, slope = theil_sen(n, fitted[1:])
+        fitted[1:] = intercept + slope * n
     fitted = np.maximum.accumulate(np.maximum(fitted, fitted[0]))
     return fitted / np.array([short.v(n) for n in range(1, len(fitted) + 1)])
 
@@ -201,10 +206,10 @@ class OnlineCosts:
         key = [id(d) for d in list(self._verify_kv.values())]
         if key != self._kv_key:
             self._kv_key = key
-            self._kv_points = sorted(((kv_cells(d.n_kv - 1), verify_kv_factors(self._shape, d.verify_seconds))
+            self._kv_points = sorted(((d.n_kv, verify_kv_factors(self._shape, d.verify_seconds))
                                       for d in list(self._verify_kv.values())
                                       if d.n_kv > KV_SHORT and len(d.verify_seconds) >= 3), key=lambda p: p[0])
-        cells, ones = kv_cells(n_kv), np.ones(n_max)
+        cells, ones = kv_length(n_kv + 1, sys.maxsize), np.ones(n_max)  # the probes' cap is the context's
         if not self._kv_points or cells <= KV_SHORT:
             return ones
         sizes = np.arange(n_max)
@@ -224,10 +229,7 @@ class OnlineCosts:
                 self._line = (overall, 0.0, 2, 2)
             else:
                 n, r = np.array(self._batches, dtype=float).T
-                i, j = np.triu_indices(len(n), 1)
-                distinct = n[i] != n[j]
-                slope = float(np.median((r[j] - r[i])[distinct] / (n[j] - n[i])[distinct])) if distinct.any() else 0.0
-                self._line = (float(np.median(r - slope * n)), slope, int(n.min()), int(n.max()))
+                self._line = (*theil_sen(n, r), int(n.min()), int(n.max()))
         return self._line
 
     def _ratio(self, n: int) -> float:

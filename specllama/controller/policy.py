@@ -328,8 +328,8 @@ class Controller:
                 self.draft_acceptance.judge(confidence, new[-1] == token, proposed=False)
         if outcome.offer:
             self._judge_offer(outcome.offer, new)
-        # a lane plans the next round as if its pass held the others' rows again
-        self.load(outcome.n_other, outcome.n_lanes, outcome.n_cap)
+        # a lane plans the next round as if its pass held the others' rows again (plan() prices it)
+        self._load = (outcome.n_other, outcome.n_lanes, outcome.n_cap)
 
     def load(self, n_other: int, n_lanes: int, n_cap: Optional[int]) -> None:
         """Plan the next rounds for a pass holding n_other rows of n_lanes - 1 other lanes beside

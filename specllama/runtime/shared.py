@@ -216,8 +216,8 @@ class SharedContext:
                 self._cv.notify_all()
 
     def _run(self, group: list[_Job]) -> None:
-        status = self._decode(group)
-        if status[0] != 0 and len(group) > 1:  # which lane does not fit: each alone
+        status, why = self._decode(group)
+        if status != 0 and len(group) > 1:  # which lane does not fit: each alone
             mem = llama_cpp.llama_get_memory(self._ctx.ptr)
             for job in group:
                 p0 = min(pos for _, pos, _, _ in job.items)
@@ -228,7 +228,7 @@ class SharedContext:
                 job.done = True
             return
         for job in group:
-            job.status, job.why, job.done = *status, True
+            job.status, job.why, job.done = status, why, True
 
     def _decode(self, group: list[_Job]) -> tuple[int, str]:
         """One llama_decode of the group's rows: its status and what llama.cpp logged if it failed."""
