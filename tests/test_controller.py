@@ -956,3 +956,22 @@ def test_a_long_conversation_s_rounds_do_not_rewrite_the_short_curve():
         drifted.append(costs.drift())
     assert drifted[0] is not None and drifted[0].v(4) > 1.3 * short.v(4)
     assert drifted[1] is None
+
+
+def test_rounds_of_several_rows_alone_never_rewrite_the_one_token_cost():
+    """Lanes under load pass several rows at a time: their rounds set the batches' level, which
+    load's one-token timings follow as stand-ins, and drift() wrote a curve with one token at
+    52 ms where every round of one row had taken 92-108 ms (F16 pair, 8 lanes, this CPU). Only
+    rounds of one row measure v(1), and the curve written keeps it inside what they measured."""
+    short = Costs((0.073, 0.091, 0.101, 0.109, 0.117, 0.125, *(0.125 + 0.008 * n for n in range(1, 12))), 0.016)
+    costs = OnlineCosts(short, v1_live=[0.075] * 3)
+    for i in range(40):  # passes of 4-10 rows, faster than the probe measured them
+        n = 4 + i % 7
+        costs.observe_verify(n, 0.62 * short.v(n))
+    assert costs.drift() is None
+    for seconds in (0.092, 0.108, 0.099):  # then rounds of one row
+        costs.observe_verify(1, seconds)
+    drifted = costs.drift()
+    assert drifted is not None
+    assert 0.092 <= drifted.v(1) <= 0.108
+    assert all(b >= a for a, b in zip(drifted.verify, drifted.verify[1:]))
