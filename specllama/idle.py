@@ -101,6 +101,10 @@ class Task:
     # how deep into the live conversation it measures (a KV group): a probe leaves the cache cut
     # at its own depth, so deeper ones run first, while the conversation still reaches them
     depth: int = 0
+    # it brings a context back to the conversation (the draft catching up): it runs after the
+    # work that takes the context, which would undo it (the costs probe ran after the catch-up
+    # and warm_up() left the draft empty: a chat's next turn at 2,900 tokens never drafted)
+    restores: bool = False
     n_disturbed: int = 0  # runs the machine disturbed (run returned False)
     not_before: float = 0.0  # monotonic time before which the idle thread leaves it (warm_up does not)
 
@@ -150,7 +154,8 @@ class IdleWork:
     def warm_up(self) -> list[str]:
         """Run every queued task that can run, now, in this thread; what ran."""
         ran: list[str] = []
-        while (task := self._first_ready(set(ran))) is not None:
+        # a task a later one queued again (the costs probe takes the draft's context) runs again, once
+        while (task := self._first_ready({key for key in ran if ran.count(key) > 1})) is not None:
             with self._models, PROCESS.busy():
                 if not self._run(task, lambda: False):
                     break
@@ -159,11 +164,13 @@ class IdleWork:
 
     def _first_ready(self, skip: Optional[set[str]] = None, now: Optional[float] = None) -> Optional[Task]:
         """The task to run next: one that can run now, those measuring on the live conversation
-        (deepest first) before those that take the context from it; now: leave those whose
-        retry after a disturbed run is not due (warm_up() runs them anyway)."""
+        (deepest first) before those that take the context from it, and those that restore it
+        last; now: leave those whose retry after a disturbed run is not due (warm_up() runs them
+        anyway)."""
         skip = skip or set()
         tasks = sorted((t for t in list(self._tasks.values()) if t.key not in skip and t.n_tries < self.MAX_TRIES
-                        and (now is None or t.not_before <= now)), key=lambda t: (t.takes_context, -t.depth))
+                        and (now is None or t.not_before <= now)),
+                       key=lambda t: (t.restores, t.takes_context, -t.depth))
         return next((t for t in tasks if t.ready()), None)
 
     def close(self) -> None:

@@ -266,7 +266,7 @@ class Planner:
             if self._draft_kv_wanted(len(draft.cached)):
                 self._time_draft_kv(stop)
 
-        self.idle.add(Task("draft catch-up", run, what="the draft catching up with the conversation"))
+        self.idle.add(Task("draft catch-up", run, what="the draft catching up with the conversation", restores=True))
 
     def _draft_kv_wanted(self, n_kv: int) -> bool:
         """Whether a draft step timed after n_kv cached tokens would teach the cached costs how

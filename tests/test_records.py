@@ -95,6 +95,34 @@ def test_idle_probes_on_the_conversation_run_deepest_first():
     assert ran == [2, 1]
 
 
+def test_the_draft_catches_up_after_the_work_that_takes_its_context():
+    """The costs probe takes the draft's context and queues the catch-up again: run first, the
+    catch-up was undone and warm_up() left the draft empty (a chat's next turn, 2,900 tokens
+    behind, never drafted). The catch-up runs last; a task queued again after it ran runs again."""
+    from specllama.idle import IdleWork, Task
+
+    draft = {"cached": 0}
+    idle = IdleWork(threading.Lock(), lambda: False, start=False)
+
+    def catch_up():
+        return Task("draft catch-up", lambda stop: draft.update(cached=3000), restores=True)
+
+    def costs(stop):
+        draft.update(cached=0)
+        idle.add(catch_up())
+
+    idle.add(catch_up())
+    idle.add(Task("costs", costs, takes_context=True))
+    idle.add(Task("probe|4", lambda stop: None, depth=4))
+    assert idle.warm_up() == ["probe|4", "costs", "draft catch-up"]
+    assert draft["cached"] == 3000
+
+    def again(key, other):  # two tasks that queue each other: each runs twice, then warm_up ends
+        return Task(key, lambda stop: idle.add(again(other, key)))
+
+    idle.add(again("a", "b"))
+    assert idle.warm_up() == ["a", "b", "a", "b"]
+
 def test_a_disturbed_measurement_waits_before_the_idle_thread_retries_it():
     """A measurement the machine disturbed is retried later, not at the next idle moment: on a
     busy machine a probe rerun every half second keeps it busier (and is disturbed again)."""
