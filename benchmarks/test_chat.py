@@ -8,9 +8,12 @@ tokens per answer, streamed, 2 threads. Per turn: time to the first token and tu
 specllama (defaults: the draft model, auto n_draft, the rounding level and its prompt cache)
 and for llama_cpp.Llama (plain decoding, same n_ctx/n_batch/threads/flash attention, its
 longest-prefix reuse),
-in the same process, one after the other (specllama first; SPECLLAMA_BENCH_FIRST=theirs swaps
-them, to tell an order effect from a gap), both calling llama.cpp from specllama's decode
-thread. specllama starts from an empty calibration folder, so its first-use measurements are
+in the same process, turn by turn: each turn of one side beside the same turn of the other,
+which side goes first alternating (specllama on odd turns; SPECLLAMA_BENCH_FIRST=theirs swaps
+them), both calling llama.cpp from specllama's decode thread. This VM's speed moves 10-20% over
+tens of seconds for any process (three llama_cpp.Llama objects interleaved rose and fell
+together, 10.0-12.4 tok/s), so one side's whole conversation after the other's compared
+turns minutes apart. specllama starts from an empty calibration folder, so its first-use measurements are
 inside these figures; each turn reports what they cost.
 Targets: the Qwen2.5-Coder 1.5B in F16 and Q4_K_M, drafted by the 0.5B Q4_K_M.
 """
@@ -52,12 +55,24 @@ def system_messages():
 
 def chat_turns(ask) -> list[dict]:
     """Run the conversation with ask(messages) -> (text, ttft, seconds, extra); one row per turn."""
-    messages, rows = system_messages(), []
-    for question in QUESTIONS:
-        messages = messages + [{"role": "user", "content": question}]
-        text, ttft, seconds, extra = ask(messages)
-        rows.append({"ttft": ttft, "seconds": seconds, **extra})
-        messages = messages + [{"role": "assistant", "content": text}]
+    return side_by_side([ask])[0]
+
+
+def side_by_side(asks: list) -> list[list[dict]]:
+    """The conversation on each side (asks), turn by turn: each side's turn i right after the
+    other's, the order alternating by turn (SPECLLAMA_BENCH_FIRST=theirs: the second side
+    first on turn 1); each side feeds back its own answers. One list of rows per side."""
+    messages = [system_messages() for _ in asks]
+    rows: list[list[dict]] = [[] for _ in asks]
+    for turn, question in enumerate(QUESTIONS):
+        order = list(range(len(asks)))
+        if (turn % 2 == 1) != THEIRS_FIRST:
+            order.reverse()
+        for side in order:
+            messages[side] = messages[side] + [{"role": "user", "content": question}]
+            text, ttft, seconds, extra = asks[side](messages[side])
+            rows[side].append({"ttft": ttft, "seconds": seconds, **extra})
+            messages[side] = messages[side] + [{"role": "assistant", "content": text}]
     return rows
 
 
@@ -115,7 +130,8 @@ def ratios(ours: list[dict], theirs: list[dict]) -> dict:
 def test_four_turn_chat(bench_models, target, monkeypatch):
     """Two conversations: the first after install (an empty calibration folder, turns back to
     back, so nothing is measured in between), then, after the idle work has run (what happens
-    while a person reads an answer and types), the same conversation again."""
+    while a person reads an answer and types), the same conversation again. Both sides are
+    loaded for the whole test (the model file's pages shared), their turns interleaved."""
     import llama_cpp
 
     import specllama
@@ -124,35 +140,28 @@ def test_four_turn_chat(bench_models, target, monkeypatch):
     monkeypatch.setenv("SPECLLAMA_HOME", tempfile.mkdtemp(prefix="specllama-bench-chat-"))
     path = bench_models[TARGETS[target]]
 
-    def run_ours():
-        t0 = time.perf_counter()
-        with specllama.load(path, bench_models["draft"], n_ctx=N_CTX, n_threads=N_THREADS, flash_attn=FLASH_ATTN,
-                            idle_work=False) as llm:
-            load_s = time.perf_counter() - t0
-            first = chat_turns(ask_specllama(llm))
+    t0 = time.perf_counter()
+    with specllama.load(path, bench_models["draft"], n_ctx=N_CTX, n_threads=N_THREADS, flash_attn=FLASH_ATTN,
+                        idle_work=False) as llm:
+        load_s = time.perf_counter() - t0
+        llama = DECODER.run(lambda: llama_cpp.Llama(str(path), n_ctx=N_CTX, n_batch=512, n_threads=N_THREADS,
+                                                    n_threads_batch=N_THREADS, flash_attn=FLASH_ATTN,
+                                                    verbose=False))
+        try:
+            theirs_ask = ask_llama_cpp(llama)
+            # llama_cpp.Llama's calls on specllama's decode thread: one OpenMP team in the process,
+            # as each side has in a process of its own. With each side's team on a thread of its
+            # own, whichever ran second lost 25-50% a token (Q4_K_M at 2,900 tokens: 58 against
+            # 88-103 ms; decoder.py)
+            sides = [ask_specllama(llm), lambda messages: DECODER.run(lambda: theirs_ask(messages))]
+            first, theirs = side_by_side(sides)
             t0 = time.perf_counter()
             idle_ran = llm.warm_up()  # the idle work a server or chat does between turns
             idle_s = time.perf_counter() - t0
-            second = chat_turns(ask_specllama(llm))
-            return load_s, first, idle_ran, idle_s, second, llm.prompt_cache_info()
-
-    def run_theirs():
-        llama = llama_cpp.Llama(str(path), n_ctx=N_CTX, n_batch=512, n_threads=N_THREADS,
-                                n_threads_batch=N_THREADS, flash_attn=FLASH_ATTN, verbose=False)
-        try:
-            return chat_turns(ask_llama_cpp(llama)), chat_turns(ask_llama_cpp(llama))
+            second, theirs_again = side_by_side(sides)
+            cache = llm.prompt_cache_info()
         finally:
-            llama.close()
-
-    # llama_cpp.Llama's calls on specllama's decode thread: one OpenMP team in the process, as each
-    # side has in a process of its own. With each side's team on a thread of its own, whichever
-    # ran second lost 25-50% a token (Q4_K_M at 2,900 tokens: 58 against 88-103 ms; decoder.py)
-    if THEIRS_FIRST:
-        theirs, theirs_again = DECODER.run(run_theirs)
-        load_s, first, idle_ran, idle_s, second, cache = run_ours()
-    else:
-        load_s, first, idle_ran, idle_s, second, cache = run_ours()
-        theirs, theirs_again = DECODER.run(run_theirs)
+            DECODER.run(llama.close)
     row = {"benchmark": "chat", "target": target, "flash_attn": FLASH_ATTN, "first_side": "theirs" if THEIRS_FIRST
            else "ours", "load_s": load_s, "idle_s": idle_s,
            "idle_ran": idle_ran, "first": first, "second": second, "llama_cpp": theirs,
