@@ -10,7 +10,8 @@ request, in turn), greedy, 2 threads, in one process, against the same requests:
   plain, batched  n_parallel=N, speculation off, batch_requests, exact="off": plain continuous
                   batching as llama-server does it, whatever its rows' difference (b)
   spec, batched   n_parallel=N, the draft, batch_requests: every lane's rows in one pass
-Each configuration runs twice, the order alternating; the table gives the medians, and how
+Each configuration runs SPECLLAMA_BENCH_REPEATS times (default 2), the order alternating; the
+table gives the medians and the runs' range, and how
 many requests' texts differ from the first one-at-a-time run's (the default level: near-ties,
 where the controller chose other draft lengths; at bitwise none may). Batched configurations
 batch only where the level allows the lane difference measured at load (on this CPU: F16 at
@@ -57,7 +58,7 @@ ASKS = ["Write a Python function that merges two sorted lists into one sorted li
         "Give a four-word title for: merging sorted lists in Python"]
 N_TOKENS = 96  # the title and the edit end sooner, at their end of turn
 COUNTS = tuple(int(n) for n in os.environ.get("SPECLLAMA_BENCH_COUNTS", "1,2,4,8").split(","))
-REPEATS = 2
+REPEATS = int(os.environ.get("SPECLLAMA_BENCH_REPEATS", "2"))  # alternated; this VM's runs move 10-20%
 
 
 def _targets() -> list[str]:
@@ -107,12 +108,15 @@ def test_requests_at_once(bench_models, target):
                 rows.append({"target": target, "n": n, "config": name,
                              "n_differ": sum(a != b for r in results for a, b in zip(r["texts"], reference)),
                              "aggregate": statistics.median(r["aggregate"] for r in results),
+                             "spread": (min(r["aggregate"] for r in results), max(r["aggregate"] for r in results)),
                              "ttft_max": statistics.median(max(r["ttft"]) for r in results),
                              "total_max": statistics.median(max(r["total"]) for r in results)})
-    print(f"\n{'target':6} {'n':>2} {'config':14} {'tok/s':>7} {'longest ttft':>12} {'last done':>9} {'differ':>6}")
+    print(f"\n{'target':6} {'n':>2} {'config':14} {'tok/s':>7} {'runs':>11} {'longest ttft':>12} {'last done':>9} "
+          f"{'differ':>6}")
     for r in rows:
-        print(f"{r['target']:6} {r['n']:2} {r['config']:14} {r['aggregate']:7.1f} {r['ttft_max']:11.2f}s "
-              f"{r['total_max']:8.2f}s {r['n_differ']:6}")
+        runs_range = f"{r['spread'][0]:.1f}-{r['spread'][1]:.1f}"
+        print(f"{r['target']:6} {r['n']:2} {r['config']:14} {r['aggregate']:7.1f} {runs_range:>11} "
+              f"{r['ttft_max']:11.2f}s {r['total_max']:8.2f}s {r['n_differ']:6}")
     if os.environ.get("SPECLLAMA_BENCH_EXACT") == "bitwise":
         assert all(r["n_differ"] == 0 for r in rows if r["config"] != "plain, batched")
 
