@@ -12,6 +12,7 @@ from typing import Any, Optional
 
 import numpy as np
 
+from ..records import costs_problem
 from ..runtime.batches import kv_length
 
 
@@ -260,7 +261,8 @@ class OnlineCosts:
     def drift(self, factor: float = 1.5, n_min: int = 24) -> Optional[Costs]:
         """The curve the rounds measure, where it has stayed off the calibration by more than
         factor (either way) over a window of at least n_min rounds, with v(1) and batches both
-        measured; None while it agrees (or too little was measured, or frozen).
+        measured; None while it agrees (or too little was measured, or frozen, or the rounds'
+        curve fails the check a probed one must pass: records.costs_problem).
 
         v(1) counts as measured only by rounds of one row: load's one-token timings stand in for
         it by following the batches' level, and lanes under load, whose passes hold several
@@ -277,7 +279,10 @@ class OnlineCosts:
         v = self.table(len(self.seed.verify))
         v[1] = float(np.clip(v[1], min(live) * self._shape.v(1), max(live) * self._shape.v(1)))
         v[1:] = np.maximum.accumulate(v[1:])
-        return Costs(tuple(float(x) for x in v[1:]), self.draft_token, self.seed.draft_batch, self.seed.draft_kv)
+        verify = tuple(float(x) for x in v[1:])
+        if costs_problem(verify, self.draft_token) is not None:
+            return None
+        return Costs(verify, self.draft_token, self.seed.draft_batch, self.seed.draft_kv)
 
     def as_dict(self) -> dict:
         v = self.table(16)
