@@ -123,6 +123,7 @@ def test_the_draft_catches_up_after_the_work_that_takes_its_context():
     idle.add(again("a", "b"))
     assert idle.warm_up() == ["a", "b", "a", "b"]
 
+
 def test_a_disturbed_measurement_waits_before_the_idle_thread_retries_it():
     """A measurement the machine disturbed is retried later, not at the next idle moment: on a
     busy machine a probe rerun every half second keeps it busier (and is disturbed again)."""
