@@ -16,7 +16,6 @@ from ..records import costs_problem
 from ..runtime.batches import kv_length
 
 
-
 @dataclass(frozen=True)
 class Costs:
     """Measured seconds: verify[n - 1] for a target pass over n tokens; draft per token."""
