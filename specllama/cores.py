@@ -110,6 +110,25 @@ class OtherProcesses:
         return max(0.0, used - (len(self._cpus) - min(n_threads, len(self._cpus))))
 
 
+class OthersArrive:
+    """stop() for work that leaves the cores to other processes: true once other processes took
+    more than SPARE_CORES of the cores n_threads need over the last window (one read of the
+    counters per window, however often it is called). Idle work starts only while the cores are
+    free, and ran a 4-8 s probe to its end even when another process started decoding in it:
+    both then ran at half speed, and the other one's timings said so."""
+
+    def __init__(self, n_threads: int, window: float = 0.25):
+        self._n_threads, self._window = n_threads, window
+        self._others, self._since = OtherProcesses(), time.monotonic()
+
+    def __call__(self) -> bool:
+        if time.monotonic() - self._since < self._window:
+            return False
+        excess = self._others.excess(self._n_threads)
+        self._others, self._since = OtherProcesses(), time.monotonic()
+        return excess is not None and excess > SPARE_CORES
+
+
 def cores_used_by_others(n_threads: int, window: float = 0.25) -> Optional[float]:
     """OtherProcesses' excess over a window from now (None: not readable here)."""
     others = OtherProcesses()

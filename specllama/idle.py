@@ -10,7 +10,8 @@ models makes the work in progress end early (restoring what it changed) and retr
 request waits one decode at most. A measurement the machine disturbed (it returns False) is
 retried later, waiting longer each time (10 s, 20 s, ... up to 5 minutes), so probes never keep a
 busy machine busier; and no work starts while other processes hold the cores its llama.cpp threads
-need (cores.py): it would time them, and slow them down. warm_up() runs the whole queue in the
+need (cores.py): it would time them, and slow them down. Work in progress ends early the same way
+when another process starts using them. warm_up() runs the whole queue in the
 caller's thread, at once.
 """
 
@@ -24,7 +25,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from .cores import SPARE_CORES, cores_used_by_others
+from .cores import SPARE_CORES, OthersArrive, cores_used_by_others
 
 log = logging.getLogger("specllama")
 
@@ -214,7 +215,8 @@ class IdleWork:
                     continue
                 try:
                     if not self._wanted():
-                        self._run(task, lambda: self._wanted() or PROCESS.wanted())
+                        others = OthersArrive(self._n_threads) if self._n_threads else lambda: False
+                        self._run(task, lambda: self._wanted() or PROCESS.wanted() or others())
                 finally:
                     PROCESS.end_idle()
             finally:

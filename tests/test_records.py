@@ -183,3 +183,42 @@ def test_idle_work_waits_while_other_processes_hold_the_cores(monkeypatch):
         assert runs and not idle.cores_taken and idle.pending() == []
     finally:
         idle.close()
+
+
+@pytest.mark.skipif(not Path("/proc/stat").exists(), reason="reads /proc/stat (Linux)")
+def test_idle_work_in_progress_leaves_the_cores_to_a_process_that_starts_using_them(monkeypatch):
+    """A probe started on free cores used to run to its end (4-8 s) when another process began
+    decoding: both ran at half speed, and the other one's timings looked busy. It ends within a
+    window of the other process starting, and runs again once the cores are free."""
+    import specllama.idle
+    from specllama.idle import IdleWork, Preempted, Task
+
+    monkeypatch.setattr(specllama.idle, "BUSY_POLL_SECONDS", 0.5)
+    started, ended = threading.Event(), []
+
+    def probe(stop):  # a measurement that checks stop() between its llama.cpp calls
+        started.set()
+        t0, seconds = time.monotonic(), 20 if not ended else 0.2
+        while time.monotonic() - t0 < seconds:
+            if stop():
+                ended.append(("preempted", time.monotonic()))
+                raise Preempted()
+            time.sleep(0.02)
+        ended.append(("done", time.monotonic()))
+
+    idle = IdleWork(threading.Lock(), lambda: False, n_threads=len(os.sched_getaffinity(0)))
+    try:
+        idle.add(Task("costs", probe, what="the decode-cost curve"))
+        assert started.wait(60)  # other objects' idle work in this process may run first
+        with spinning_on_every_core():
+            spun = time.monotonic()
+            while not ended and time.monotonic() - spun < 25:
+                time.sleep(0.05)
+            assert ended and ended[0][0] == "preempted" and ended[0][1] - spun < 3, ended
+            assert idle.pending() == ["the decode-cost curve"]  # queued again, not dropped
+        deadline = time.monotonic() + 60
+        while idle.pending() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert [how for how, _ in ended] == ["preempted", "done"] and idle.pending() == []
+    finally:
+        idle.close()
