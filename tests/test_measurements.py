@@ -68,6 +68,44 @@ def test_a_curve_a_busy_machine_wrote_is_measured_again(model_paths, home, quiet
     assert stored["how"] == "probe while idle" and stored["verify"][0] < 0.5
 
 
+def slower_rounds(llm, probed) -> None:
+    """A generation, then what its rounds would have timed on a machine twice as slow as the
+    probe's curve (passes of 2-5 rows, and now and then one), in the costs it decided from."""
+    llm.generate("def f(x):", max_tokens=4)
+    online = llm.planner._online_costs
+    assert online is not None
+    for i in range(40):
+        n = 2 + i % 4
+        online.observe_verify(n, 2 * probed.v(n))
+        if i % 10 == 0:
+            online.observe_verify(1, 2 * probed.v(1))
+
+
+def test_rounds_that_contradict_the_curve_are_followed_and_the_cache_gets_a_probe_s_curve(model_paths, home,
+                                                                                          quiet_process):
+    """Rounds that keep timing passes 2x the curve (a slower machine, or a moment's load) steer
+    the object's choices at once, but the disk keeps probed curves only: a 34 s demo on a busy
+    moment wrote its rounds' Q4_K_M curve, 1.5-2x the probe's, for every later process to read.
+    The curve is probed again when idle, once per object."""
+    with load(model_paths, idle_work=False) as llm:
+        key = calibrate.costs_key(llm.target, llm.draft)
+        probed = llm.planner.costs(measure=True)
+        written = records.read(key)
+        assert probed is not None and written is not None and written["how"] == "probe while idle"
+        slower_rounds(llm, probed)
+        llm.generate("def g(y):", max_tokens=4)  # learned() after it: the curve drifted
+        assert llm.planner.costs().v(3) > 1.5 * probed.v(3)  # followed at once
+        assert llm.planner.costs_record["how"].startswith("in use, not cached")
+        assert records.read(key) == written  # the disk keeps the probe's curve
+        assert "the decode-cost curve" in llm.idle.pending()
+        assert "costs" in llm.warm_up()
+        assert records.read(key)["measured_at"] != written["measured_at"]
+        assert llm.planner.costs().v(3) < 1.5 * probed.v(3)  # the probe's again
+        slower_rounds(llm, probed)  # the rounds still disagree: followed, not probed again
+        llm.generate("def g(y):", max_tokens=4)
+        assert llm.planner.costs().v(3) > 1.5 * probed.v(3) and llm.idle.pending() == []
+
+
 def test_a_curve_cached_before_the_draft_s_batch_was_timed_is_used_and_completed_when_idle(model_paths, home,
                                                                                             quiet_process):
     """A record an earlier version wrote has no draft batch: the draft's prefills would be priced
