@@ -120,13 +120,15 @@ class OthersArrive:
     def __init__(self, n_threads: int, window: float = 0.25):
         self._n_threads, self._window = n_threads, window
         self._others, self._since = OtherProcesses(), time.monotonic()
+        self.arrived = False  # it said so
 
     def __call__(self) -> bool:
         if time.monotonic() - self._since < self._window:
             return False
         excess = self._others.excess(self._n_threads)
         self._others, self._since = OtherProcesses(), time.monotonic()
-        return excess is not None and excess > SPARE_CORES
+        self.arrived = self.arrived or (excess is not None and excess > SPARE_CORES)
+        return self.arrived
 
 
 def cores_used_by_others(n_threads: int, window: float = 0.25) -> Optional[float]:

@@ -18,6 +18,7 @@ caller's thread, at once.
 from __future__ import annotations
 
 import logging
+import random
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -215,12 +216,23 @@ class IdleWork:
                     continue
                 try:
                     if not self._wanted():
-                        others = OthersArrive(self._n_threads) if self._n_threads else lambda: False
-                        self._run(task, lambda: self._wanted() or PROCESS.wanted() or others())
+                        self._run_yielding(task)
                 finally:
                     PROCESS.end_idle()
             finally:
                 self._models.release()
+
+    def _run_yielding(self, task: Task) -> None:
+        """Run task until a generation wants the models or another process the cores. After the
+        latter it waits a random while (0.2-1x BUSY_POLL_SECONDS): two processes' idle work
+        started together meets again at every retry where both wait the same grace."""
+        others = OthersArrive(self._n_threads) if self._n_threads else None
+        if self._run(task, lambda: self._wanted() or PROCESS.wanted() or (others is not None and others())):
+            return
+        if others is not None and others.arrived:
+            with self._cv:
+                task.not_before = max(task.not_before,
+                                      time.monotonic() + random.uniform(0.2, 1.0) * BUSY_POLL_SECONDS)
 
     def _cores_taken(self) -> bool:
         """Whether other processes hold the cores our threads need; if so every task waits

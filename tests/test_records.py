@@ -207,8 +207,9 @@ def test_idle_work_in_progress_leaves_the_cores_to_a_process_that_starts_using_t
         ended.append(("done", time.monotonic()))
 
     idle = IdleWork(threading.Lock(), lambda: False, n_threads=len(os.sched_getaffinity(0)))
+    task = Task("costs", probe, what="the decode-cost curve")
     try:
-        idle.add(Task("costs", probe, what="the decode-cost curve"))
+        idle.add(task)
         assert started.wait(60)  # other objects' idle work in this process may run first
         with spinning_on_every_core():
             spun = time.monotonic()
@@ -216,6 +217,8 @@ def test_idle_work_in_progress_leaves_the_cores_to_a_process_that_starts_using_t
                 time.sleep(0.05)
             assert ended and ended[0][0] == "preempted" and ended[0][1] - spun < 3, ended
             assert idle.pending() == ["the decode-cost curve"]  # queued again, not dropped
+            # not at once, and at a random time: two processes' idle work would meet again
+            assert task.not_before >= ended[0][1] + 0.2 * 0.5
         deadline = time.monotonic() + 60
         while idle.pending() and time.monotonic() < deadline:
             time.sleep(0.05)
