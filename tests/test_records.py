@@ -217,7 +217,11 @@ def test_idle_work_in_progress_leaves_the_cores_to_a_process_that_starts_using_t
                 time.sleep(0.05)
             assert ended and ended[0][0] == "preempted" and ended[0][1] - spun < 3, ended
             assert idle.pending() == ["the decode-cost curve"]  # queued again, not dropped
-            # not at once, and at a random time: two processes' idle work would meet again
+            # not at once, and at a random time: two processes' idle work would meet again (the
+            # idle thread sets it once the probe has returned)
+            settled = time.monotonic() + 5
+            while task.not_before == 0.0 and time.monotonic() < settled:
+                time.sleep(0.01)
             assert task.not_before >= ended[0][1] + 0.2 * 0.5
         deadline = time.monotonic() + 60
         while idle.pending() and time.monotonic() < deadline:
