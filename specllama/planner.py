@@ -121,6 +121,9 @@ class Planner:
             # other requests started prefills that stalled them all
             log.info("%s: the cached decode costs predate timing the draft's batch; measuring them again when "
                      "idle", self.target.name)
+        self._queue_costs_probe()
+
+    def _queue_costs_probe(self) -> None:
         self.idle.add(Task("costs", self._measure_costs, what="the decode-cost curve", takes_context=True))
 
     def _stale(self, record: dict) -> Optional[str]:
@@ -179,8 +182,8 @@ class Planner:
             return
         # the rounds decide this object's choices now; the disk gets a probe's curve, with its
         # checks: rounds in contexts of their own read one F16 token at 123 ms where the probe
-        # timed 82 ms in the same process, and a 34 s demo on a moment's load wrote a Q4_K_M
-        # curve 1.5-2x its probe's, which every later process read
+        # timed 82 ms in the same process, and a 34 s demo's rounds wrote a Q4_K_M curve 1.5-2x
+        # its probe's, which every later process read
         log.info("%s: rounds measured one token at %.0f ms against %.0f ms in the cached curve; following them, "
                  "and measuring the curve again when idle", self.target.name, corrected.v(1) * 1e3,
                  self._costs.v(1) * 1e3)
@@ -189,7 +192,7 @@ class Planner:
         self._costs, self._online_costs = corrected, OnlineCosts(corrected, verify_kv=self.batch_diffs.groups)
         if not self._drift_probed:  # once: where rounds keep disagreeing with the probe, this object follows them
             self._drift_probed = True
-            self.idle.add(Task("costs", self._measure_costs, what="the decode-cost curve", takes_context=True))
+            self._queue_costs_probe()
 
     # --- fidelity and reuse, measured on the live conversation when idle ------------------------
 
