@@ -19,7 +19,7 @@ from specllama.controller.policy import Controller, FixedDraft
 from specllama.errors import InvalidParameterError
 from specllama.fidelity import parse_level
 from specllama.planner import _working_clock
-from specllama.runtime.shared import Parking, SharedContext, _groups, _Job
+from specllama.runtime.shared import REFRESH_EVERY, Parking, PassCosts, SharedContext, _groups, _Job
 from specllama.slots import Turns
 from test_concurrency import SCHEMA, at_once
 
@@ -178,6 +178,27 @@ def test_groups_respect_the_batch_and_every_members_cap():
     assert sizes == [[1, 3, 4], [2], [10], [1]]
     assert [[len(j.items) for j in g] for g in _groups([job(300, 512), job(300, 512)], 512)] == [[300], [300]]
     assert [len(g) for g in _groups([job(1, 4)] * 6, 512)] == [4, 2]
+
+
+def test_lanes_batches_go_apart_only_where_their_passes_were_timed_cheaper_apart():
+    """Pure: two lanes' one-row steps go in passes of their own once one pass of both was timed
+    at more than the two alone (the 0.5B Q4_K_M draft here: 48 ms against 17 ms each), and
+    together where it was cheaper (the F16 target's 2 rows: 115 ms against 82 each); untimed
+    shapes go together, and one group in REFRESH_EVERY goes together to stay timed."""
+    draft, target = PassCosts(), PassCosts()
+    assert not draft.apart([1, 1])  # nothing timed yet: together
+    for _ in range(3):
+        draft.observe(1, 1, 0.017)
+        draft.observe(2, 2, 0.048)
+        draft.observe(4, 4, 0.057)  # four lanes' steps: one pass is cheaper than four
+        target.observe(1, 1, 0.082)
+        target.observe(2, 2, 0.115)
+    assert not draft.apart([1, 1, 1, 1]) and not target.apart([1, 1])
+    assert not draft.apart([2, 2])  # two rows alone never timed
+    decided = [draft.apart([1, 1]) for _ in range(2 * REFRESH_EVERY)]
+    assert decided.count(False) == 2 and decided[REFRESH_EVERY - 1] is False
+    draft.observe(70, 1, 0.3)
+    assert draft.cost(70, 1) is None  # a prompt chunk is no step's shape
 
 
 def test_the_target_s_pass_lets_parked_draft_steps_go_first():

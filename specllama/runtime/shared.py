@@ -6,7 +6,8 @@ its target pass parks its batch and gives the turn to whoever waits for it; the 
 parks while everyone waiting for the turn has parked too, and every generating lane has parked
 or had a short grace to, decodes every parked batch (a pass per group: at most n_batch rows,
 and no more rows than any member's cap, the largest pass its fidelity level allows at its KV
-length). A pass that cannot place its rows (llama_decode 1) is decoded again lane by lane,
+length), or a pass per batch where this context's passes were timed cheaper so (PassCosts).
+A pass that cannot place its rows (llama_decode 1) is decoded again lane by lane,
 so only the lane that does not fit fails.
 
 Each lane's rows are copied out of the pass: they stay valid while other lanes decode.
@@ -18,8 +19,10 @@ calibrate.measure_apart_diff). Requests that need bitwise rows decode in context
 
 from __future__ import annotations
 
+import statistics
 import threading
 import time
+from collections import deque
 from contextlib import ExitStack
 from dataclasses import dataclass, field, replace
 from collections.abc import Callable
@@ -38,6 +41,44 @@ Item = tuple[int, int, tuple[int, ...], bool]
 # a pass, and at most GRACE_MAX seconds: riding in the next pass saves them a whole pass
 GRACE_SHARE = 0.25
 GRACE_MAX = 0.05
+
+
+PASS_WINDOW = 9  # a shape's last passes, whose median stands for its cost
+MAX_TIMED_ROWS = 64  # passes up to this many rows are timed by shape (longer: prompt chunks)
+APART_MARGIN = 0.9  # passes of their own must cost under this share of the one pass
+REFRESH_EVERY = 16  # of the groups decoded apart, one in this many together: its cost stays measured
+
+
+class PassCosts:
+    """A context's passes timed by shape (rows, lanes), and whether a group's batches cost less
+    in passes of their own. On our CPU one pass of two lanes' draft steps took 40-60 ms where
+    each step alone took 16-20 (the 0.5B Q4_K_M draft: a pass of 2 rows takes about twice one,
+    and rows of two sequences more), while the F16 target's two rows cost 1.4x its one."""
+
+    def __init__(self) -> None:
+        self._seen: dict[tuple[int, int], deque] = {}
+        self._n_apart = 0
+
+    def observe(self, n_rows: int, n_lanes: int, seconds: float) -> None:
+        if n_rows <= MAX_TIMED_ROWS:
+            self._seen.setdefault((n_rows, n_lanes), deque(maxlen=PASS_WINDOW)).append(seconds)
+
+    def cost(self, n_rows: int, n_lanes: int) -> Optional[float]:
+        """The median of the shape's last passes (None: fewer than three timed)."""
+        seen = self._seen.get((n_rows, n_lanes))
+        return statistics.median(seen) if seen is not None and len(seen) >= 3 else None
+
+    def apart(self, sizes: list[int]) -> bool:
+        """Whether batches of these sizes, each a lane's, go in passes of their own: where both
+        ways were timed and apart costs clearly less. Untimed shapes go together (so they get
+        timed), and one group in REFRESH_EVERY that would go apart too."""
+        together = self.cost(sum(sizes), len(sizes))
+        alone = [self.cost(n, 1) for n in sizes]
+        if together is None or any(c is None for c in alone) or \
+                sum(c for c in alone if c is not None) >= APART_MARGIN * together:
+            return False
+        self._n_apart += 1
+        return self._n_apart % REFRESH_EVERY != 0
 
 
 @dataclass(eq=False)
@@ -107,6 +148,7 @@ class SharedContext:
         self._t_pass = 0.0  # the last pass's seconds: how long a parked batch waits for others
         self.n_passes = 0  # llama_decode calls
         self.n_shared_passes = 0  # of them, passes with more than one lane's rows
+        self.pass_costs = PassCosts()
 
     def join(self, other: "SharedContext") -> None:
         """Park with other's lanes (one turn for both contexts)."""
@@ -207,7 +249,11 @@ class SharedContext:
                 job.taken = True
         try:
             for group in _groups(jobs, self.n_batch):
-                self._run(group)
+                if len(group) > 1 and self.pass_costs.apart([len(job.items) for job in group]):
+                    for job in group:
+                        self._run([job])
+                else:
+                    self._run(group)
         finally:
             with self._cv:
                 for job in jobs:
@@ -245,6 +291,7 @@ class SharedContext:
         self.n_shared_passes += len(group) > 1
         if status != 0:
             return status, why
+        self.pass_costs.observe(offset, len(group), seconds)
         n_rows, offset = offset, 0
         for job in group:
             job.n_rows, job.seconds, job.n_lanes = n_rows, seconds, len(group)
