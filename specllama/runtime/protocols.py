@@ -111,9 +111,6 @@ class Model(Vocabulary, Protocol):
     def n_lanes_active(self) -> int: ...  # lanes generating in its shared context now (1: its own)
 
     @property
-    def n_cells_beside(self) -> int: ...  # cells other lanes hold in its KV buffer (0: its own)
-
-    @property
     def n_threads(self) -> int: ...  # the CPU threads llama.cpp decodes with
 
     @property

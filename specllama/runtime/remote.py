@@ -57,7 +57,6 @@ class RemoteRuntime:
     t_waited = 0.0
     t_waited_total = 0.0
     n_lanes_active = 1
-    n_cells_beside = 0
 
     def __init__(self, settings: ModelSettings):
         self.settings = settings
