@@ -148,7 +148,7 @@ def _propose(d: Decoding, tokens: list[int], n_verify_max: int) -> _Round:
     with _exploring(d.constraint, forced):
         n_match, offer = d.proposer.lookup_offer(context, k_cap - len(forced))
         source, n_draft = d.policy.plan(k_cap - len(forced), n_match, len(offer), d.proposer.draft_lag(context),
-                                        len(context) + d.target.n_cells_beside)
+                                        len(context))
         if n_draft > 0:
             drafted = d.proposer.propose(context, source, n_draft, offer, _shape(d, k_cap))
             report = d.proposer.report

@@ -201,8 +201,7 @@ class Controller:
     def plan(self, k_cap: int, n_match: int, n_lookup: int, lag: tuple[int, bool] = (0, False),
              n_kv: int = 0) -> tuple[str, int]:
         """The source ("none", "draft", "lookup") and most tokens to draft this round; lag: the
-        draft's (tokens to decode first, whether its prefill is among them); n_kv: the cells its
-        passes attend over (its own, and in a shared context the other lanes')."""
+        draft's (tokens to decode first, whether its prefill is among them); n_kv: tokens held."""
         self._n_kv = n_kv
         self.load(*self._load)  # the passes and draft steps priced at the context's length
         # a round makes at most k + 1 tokens: drafts past the generation's end buy nothing

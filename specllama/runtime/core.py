@@ -220,14 +220,6 @@ class Runtime(Vocab, TreeDecoding):
         check_status(job.status, job.why, self.name, pos, n_tokens)
 
     @property
-    def n_cells_beside(self) -> int:
-        """Cells the other lanes of its shared context hold (0: a context of its own). A pass
-        attends over every cell in use of a unified KV buffer, masked or not."""
-        if self._lane is None:
-            return 0
-        return sum(len(lane.cached) for lane in list(self._lane.shared.lanes) if lane is not self)
-
-    @property
     def n_lanes_active(self) -> int:  # lanes generating in its shared context now (1: its own)
         return 1 if self._lane is None else max(1, self._lane.shared.n_active())
 
