@@ -18,7 +18,7 @@ from conftest import SETTINGS
 from specllama.errors import InvalidParameterError
 from specllama.fidelity import parse_level
 from specllama.planner import _working_clock
-from specllama.runtime.shared import REFRESH_EVERY, Parking, PassCosts, SharedContext, _groups, _Job
+from specllama.runtime.shared import PASS_WINDOW, REFRESH_EVERY, Parking, PassCosts, SharedContext, _groups, _Job
 from specllama.slots import Turns
 from test_concurrency import SCHEMA, at_once
 
@@ -179,6 +179,28 @@ def test_lanes_batches_go_apart_only_where_their_passes_were_timed_cheaper_apart
     assert decided.count(False) == 2 and decided[REFRESH_EVERY - 1] is False
     draft.observe(70, 1, 0.3)
     assert draft.cost(70, 1) is None  # a prompt chunk is no step's shape
+
+
+def test_lanes_timed_cheaper_apart_decode_apart_with_the_same_outputs(lanes, plain, prompts, monkeypatch):
+    """Two requests whose contexts (target and draft) timed every pass of two lanes dearer
+    than the lanes' passes alone: their parked batches are decoded a pass each, through real
+    llama.cpp, and each output is still plain decoding's alone (or first differs at a counted
+    near-tie)."""
+    solo = [plain.generate(p, max_tokens=24).tokens for p in prompts[:2]]
+    contexts = (lanes.sharing.context, lanes.sharing.draft_context)
+    for context in contexts:
+        timed = PassCosts()
+        for _ in range(3):
+            for n in range(1, 33):
+                timed.observe(n, 1, 0.001)
+        for _ in range(PASS_WINDOW):
+            for n in range(2, 65):
+                timed.observe(n, 2, 1.0)
+        monkeypatch.setattr(context, "pass_costs", timed)
+    results = at_once(lanes, prompts[:2], max_tokens=24)
+    assert all(context.pass_costs._n_apart > 0 for context in contexts)
+    for result, tokens in zip(results, solo):
+        _equal_or_near_tie(result, tokens)
 
 
 def test_the_target_s_pass_lets_parked_draft_steps_go_first():
