@@ -101,7 +101,7 @@ def generate_steps(d: Decoding, prompt: Sequence[int]) -> Generator[Step, None, 
             if d.limits.shared is not None:  # a lane: the largest pass its rows may ride in
                 target.batch_cap = limit
                 if not stats.n_rounds:  # the first round plans for the lanes generating now
-                    d.policy.load(*planning_load(0, 1, target.n_lanes_active), limit)
+                    d.policy.load(*_lane_load(target, 0, 1))
             t1 = time.perf_counter()
             # 2. propose: tokens the grammar forces first (free), then the policy's source
             r = _propose(d, tokens, n_verify_max)
@@ -189,14 +189,22 @@ def _record(d: Decoding, r: _Round, path: list[int], new: list[int], times: tupl
         n_own = r.n_pending + len(r.proposal.tokens) + 1
         n_verify = max(n_own, d.target.n_batch_rows)
         seconds = t4 - t2 - d.target.t_waited
-        lanes = planning_load(n_verify - n_own, d.target.n_batch_lanes, d.target.n_lanes_active)
-        n_cap = d.target.batch_cap if d.limits.shared is not None else None
+        n_other, n_lanes, n_cap = _lane_load(d.target, n_verify - n_own, d.target.n_batch_lanes)
+        cap = n_cap if d.limits.shared is not None else None
         if len(path) >= r.n_forced:
             d.policy.observe(RoundOutcome(r.source, r.drafted, new[r.n_forced:], seconds, d.sampling.greedy,
-                                          r.report, r.offer, n_verify, *lanes, n_cap))
+                                          r.report, r.offer, n_verify, n_other, n_lanes, cap))
         else:
             d.policy.observe(RoundOutcome("grammar", EMPTY, new, seconds, d.sampling.greedy, n_verify=n_verify,
-                                          n_other=lanes[0], n_lanes=lanes[1], n_cap=n_cap))
+                                          n_other=n_other, n_lanes=n_lanes, n_cap=cap))
+
+
+def _lane_load(target: Model, n_other: int, n_lanes: int) -> tuple[int, int, int]:
+    """What a lane plans its next round for: the rows and lanes beside its own (planning_load,
+    from its last pass's), and the rows of the pass it may plan for, the others' and its share
+    (shared.fair_room): its rows past that are priced as a pass of their own."""
+    n_other, n_lanes = planning_load(n_other, n_lanes, target.n_lanes_active)
+    return n_other, n_lanes, n_other + target.n_room
 
 
 def _judge_near_ties(d: Decoding, rows: list[np.ndarray], first_gap: Optional[float], n_past: int, r: _Round,

@@ -72,7 +72,8 @@ class RoundOutcome:
     verify pass and rollback; offer: what prompt lookup offered at its start; n_verify: the
     rows verified (forced and pending tokens included; a lane's: the whole shared pass's);
     n_other, n_lanes: a lane's pass, the rows in it of n_lanes - 1 other lanes; n_cap: the most
-    rows a pass with the lane's rows may hold (None: not a lane)."""
+    rows a pass with the lane's rows may hold and it may plan for, n_other and its share
+    (shared.fair_room; None: not a lane)."""
 
     source: str
     proposal: Proposal

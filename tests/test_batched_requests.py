@@ -203,6 +203,36 @@ def test_lanes_timed_cheaper_apart_decode_apart_with_the_same_outputs(lanes, pla
         _equal_or_near_tie(result, tokens)
 
 
+def test_lanes_plan_for_their_share_of_the_pass(lanes, prompts, monkeypatch):
+    """Two requests at once, through real llama.cpp: each lane's rounds are planned with the
+    rows of its pass it may fill being its share (cap // the lanes generating, and the shares of
+    lanes decoding plainly), not all the room the other lane's last batch left: two lanes
+    planning for that room overflowed the pass."""
+    import specllama.decode as decode
+
+    shares, planned = [], []
+    room, outcome_of = SharedContext.room, decode.RoundOutcome
+
+    def spy_room(self, base, cap):
+        n = room(self, base, cap)
+        shares.append((cap, self.n_active(), n))
+        return n
+
+    def spy_outcome(*args, **kwargs):
+        outcome = outcome_of(*args, **kwargs)
+        planned.append(outcome.n_cap - outcome.n_other)
+        return outcome
+
+    monkeypatch.setattr(SharedContext, "room", spy_room)
+    monkeypatch.setattr(decode, "RoundOutcome", spy_outcome)
+    at_once(lanes, prompts[:2], max_tokens=24)
+    assert any(n_active == 2 for _, n_active, _ in shares)
+    for cap, n_active, n in shares:  # a lane alone: the cap; else its share and the plain lanes'
+        assert n == cap if n_active == 1 else max(1, cap // n_active) <= n <= cap - (n_active - 1)
+    assert planned and set(planned) <= {n for _, _, n in shares}
+    assert any(n < cap for cap, _, n in shares)  # a share, not the whole pass
+
+
 def test_the_target_s_pass_lets_parked_draft_steps_go_first():
     """Pure: every lane parked, one at the target's pass and one at a draft step: the draft's
     step is decoded first (the drafting lane then reaches the same verify pass instead of the

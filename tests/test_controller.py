@@ -727,6 +727,57 @@ def test_a_lane_s_chain_stops_where_the_pass_has_room():
     assert n_chain == {None: 16, 17: 8}
 
 
+def test_two_lanes_that_both_want_long_chains_plan_within_one_pass():
+    """Two lanes at once, each sure of its drafts, the other's last batch one row (it decoded
+    plainly, or its pass went alone): planning for all of the 17-row pass beside that row (F16
+    at the default level on our CPU), each lane drafts 16 tokens and the two batches overflow
+    the pass (two passes, traced); planning for its share (fair_room, as decode.py prices a
+    lane), each lane's chain leaves the other its share and both ride in one pass."""
+    from specllama.runtime.shared import fair_room
+
+    v = (0.080, 0.130, 0.143, 0.146, 0.166, 0.190, 0.210, 0.230, *(0.230 + 0.019 * (n - 8) for n in range(9, 30)))
+    n_rows = {}
+    for n_room in (17 - 1, fair_room(17, 2)):  # the cap less the other's row (before), its share
+        clock = Clock()
+        policy = Controller(OnlineCosts(Costs(verify=v, draft_token=0.018), frozen=True), 16, has_draft=True,
+                            lookup=False, clock=clock, n_tokens=4096)
+        for _ in range(40):
+            policy.observe(RoundOutcome("draft", Proposal([1] * 4), [1] * 5, 0.2, True, DraftReport([0.97] * 4),
+                                        n_verify=6, n_other=1, n_lanes=2, n_cap=1 + n_room))
+        assert policy.plan(16, 0, 0) == ("draft", 16)
+        confidences = [0.97]
+        while policy.draft_more(confidences) == "more" and len(confidences) < 16:
+            clock.now += 0.018
+            confidences.append(0.97)
+        n_rows[n_room] = 1 + len(confidences)
+    assert 2 * n_rows[16] > 17  # both lanes alike: two passes
+    assert 2 * n_rows[fair_room(17, 2)] <= 17
+
+
+def test_a_lane_s_share_of_a_pass():
+    """Pure: fair_room gives a lane alone the whole cap and each of n lanes cap // n rows (at
+    least one), and the drafting lanes split what lanes whose last batch was one row (decoding
+    plainly) leave of theirs: the lanes' rooms fit one pass as long as no plain lane starts
+    drafting, and drafting lanes' last batches, short or long, lend nothing (two lanes lent each
+    other's and overflowed)."""
+    from specllama.runtime.shared import fair_room
+
+    assert fair_room(17, 1) == 17 and fair_room(17, 2) == 8 and fair_room(4, 8) == 1
+    assert fair_room(17, 2, [2]) == fair_room(17, 2, [16]) == 8  # a drafting lane's share is its own
+    assert fair_room(17, 2, [1]) == 15 and fair_room(17, 4, [1, 1, 5]) == 4 + 2 * 3 // 2
+    assert fair_room(17, 4, [1, 1, 1, 1, 1]) == 4 + 3 * 3  # lanes no longer generating lend nothing
+    rng = np.random.default_rng(3)
+    for _ in range(2000):
+        cap, n_active = int(rng.integers(2, 40)), int(rng.integers(2, 9))
+        if n_active > cap:
+            continue
+        plain = rng.random(n_active) < 0.5  # the lanes whose last batch was one row
+        rows = [1 if p else int(rng.integers(2, cap + 1)) for p in plain]
+        rooms = [fair_room(cap, n_active, rows[:i] + rows[i + 1:]) for i in range(n_active)]
+        planned = [1 if p else room for p, room in zip(plain, rooms)]  # the plain lanes stay plain
+        assert sum(planned) <= cap
+
+
 # F16 at 3,000 tokens of KV on our 2-core AMD (a traced chat): one token 120 ms, 2: 196, 3: 217,
 # then ~22 ms a row; the 0.5B draft 40 ms a token. Drafting breaks even at about 0.81.
 LONG_F16_CPU = Costs(verify=(0.120, 0.196, 0.217, *(0.241 + 0.022 * (n - 4) for n in range(4, 18))),

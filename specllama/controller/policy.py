@@ -334,7 +334,7 @@ class Controller:
     def load(self, n_other: int, n_lanes: int, n_cap: Optional[int]) -> None:
         """Plan the next rounds for a pass holding n_other rows of n_lanes - 1 other lanes beside
         this lane's (load-adaptive: drafts pay only while their rows are cheap beside the pass);
-        n_cap: the most rows the pass may hold. A lane's first round plans for the lanes
+        n_cap: the rows of the pass it may plan for, the others' and its share. A lane's first round plans for the lanes
         generating as it starts: planned as if alone, every request arriving at a busy server
         drafted its first round and started the draft's prefill."""
         self._load = (n_other, n_lanes, n_cap)

@@ -213,7 +213,7 @@ class Runtime(Vocab, TreeDecoding):
             check_status(*llama_decode(self._ctx.ptr, self._batch.c), self.name, pos, n_tokens)
             self.n_batch_rows, self.n_batch_lanes, self.t_waited = n_tokens, 1, 0.0
             return
-        job = self._lane.shared.decode(self._batch, self.batch_cap)
+        job = self._lane.shared.decode(self._batch, self.batch_cap, self._lane.base)
         self._rows.copied, self.n_batch_rows, self.n_batch_lanes = job.rows, job.n_rows, job.n_lanes
         # the total also leaves out the other lanes' rows' share of the pass (shared._Job.for_others)
         self.t_waited, self.t_waited_total = job.waited, self.t_waited_total + job.waited + job.for_others(n_tokens)
@@ -222,6 +222,10 @@ class Runtime(Vocab, TreeDecoding):
     @property
     def n_lanes_active(self) -> int:  # lanes generating in its shared context now (1: its own)
         return 1 if self._lane is None else max(1, self._lane.shared.n_active())
+
+    @property
+    def n_room(self) -> int:  # of batch_cap, the rows its next batch may plan for (a lane: its share)
+        return self.batch_cap if self._lane is None else self._lane.shared.room(self._lane.base, self.batch_cap)
 
     def logits(self, row: int) -> np.ndarray:
         """Zero-copy view of logit row `row` (0-based among the rows the last decode kept).

@@ -111,6 +111,9 @@ class Model(Vocabulary, Protocol):
     def n_lanes_active(self) -> int: ...  # lanes generating in its shared context now (1: its own)
 
     @property
+    def n_room(self) -> int: ...  # of batch_cap, the rows its next batch may plan for (a lane: its share)
+
+    @property
     def n_threads(self) -> int: ...  # the CPU threads llama.cpp decodes with
 
     @property

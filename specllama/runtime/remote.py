@@ -57,6 +57,7 @@ class RemoteRuntime:
     t_waited = 0.0
     t_waited_total = 0.0
     n_lanes_active = 1
+    n_room = 1
 
     def __init__(self, settings: ModelSettings):
         self.settings = settings

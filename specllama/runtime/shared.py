@@ -22,10 +22,10 @@ from __future__ import annotations
 import statistics
 import threading
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from contextlib import ExitStack
 from dataclasses import dataclass, field, replace
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, Optional
 
 import llama_cpp
@@ -47,6 +47,26 @@ PASS_WINDOW = 9  # a shape's last passes, whose median stands for its cost
 MAX_TIMED_ROWS = 64  # passes up to this many rows are timed by shape (longer: prompt chunks)
 APART_MARGIN = 0.9  # passes of their own must cost under this share of the one pass
 REFRESH_EVERY = 16  # of the groups decoded apart, one in this many together: its cost stays measured
+
+
+def fair_room(cap: int, n_active: int, others: Sequence[int] = ()) -> int:
+    """The rows a lane may plan to fill of a pass of at most cap rows beside the other lanes
+    generating (n_active with its own), whose latest batches held `others` rows (the most recent
+    first; a lane not seen counts as drafting): its share, cap // n_active, and its part of what
+    the lanes decoding plainly (a batch of one row) leave of theirs, split among the drafting
+    lanes; rows past it are priced as a pass of their own.
+
+    Each lane planned its longest chain as if the rest of the pass were its own, so two lanes
+    drafting 15-16 rows each overflowed F16's 17-row pass and decoded apart. Lending what a
+    drafting lane left in its last batch overflowed as often (traced: a lane of 12 rows beside
+    one back at 7 that had 2 the round before): lanes plan at once, so a share lent is taken
+    back at once. A lane decoding plainly mostly stays plain (its drafts do not pay)."""
+    if n_active <= 1:
+        return cap
+    fair = max(1, cap // n_active)
+    n_plain = sum(n == 1 for n in list(others)[:n_active - 1])
+    n_drafting = n_active - n_plain  # its own lane's among them
+    return max(1, min(cap - (n_active - 1), fair + n_plain * (fair - 1) // n_drafting))
 
 
 class PassCosts:
@@ -149,6 +169,13 @@ class SharedContext:
         self.n_passes = 0  # llama_decode calls
         self.n_shared_passes = 0  # of them, passes with more than one lane's rows
         self.pass_costs = PassCosts()
+        self._rows_of: OrderedDict[int, int] = OrderedDict()  # lane base: its latest batch's rows, oldest first
+
+    def room(self, base: int, cap: int) -> int:
+        """The rows the lane at base may plan for its next pass of at most cap rows (fair_room)."""
+        with self._cv:
+            others = [n for lane, n in reversed(self._rows_of.items()) if lane != base]
+        return fair_room(cap, max(1, self.n_active()), others)
 
     def join(self, other: "SharedContext") -> None:
         """Park with other's lanes (one turn for both contexts)."""
@@ -178,14 +205,16 @@ class SharedContext:
 
     # --- passes --------------------------------------------------------------------------------
 
-    def decode(self, batch: Batch, cap: int) -> _Job:
-        """Decode a lane's filled batch (call in the models' turn, which is held again on return):
-        its job, done (status: llama_decode's; rows: its logits by batch row; the pass's rows,
-        lanes and seconds; what it waited for other lanes)."""
+    def decode(self, batch: Batch, cap: int, base: int = 0) -> _Job:
+        """Decode the filled batch of the lane at base (call in the models' turn, which is held
+        again on return): its job, done (status: llama_decode's; rows: its logits by batch row;
+        the pass's rows, lanes and seconds; what it waited for other lanes)."""
         job = _Job(batch.items(), max(1, cap))
         t_parked = time.perf_counter()
         deadline = t_parked + min(GRACE_SHARE * self._t_pass, GRACE_MAX)
         with self._cv:
+            self._rows_of.pop(base, None)
+            self._rows_of[base] = len(job.items)
             self._parked.append(job)
             self._cv.notify_all()
         try:
