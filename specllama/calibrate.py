@@ -14,7 +14,7 @@ import logging
 import math
 import time
 from collections.abc import Callable
-from typing import Any, Optional, Union
+from typing import Optional, Union
 
 import numpy as np
 
@@ -40,12 +40,12 @@ def never() -> bool:
     return False
 
 
-def _step(stop: Stop) -> None:
+def check_stop(stop: Stop) -> None:
     if stop():
         raise Preempted()
 
 
-def _max_abs_diff(a: np.ndarray, b: np.ndarray) -> float:
+def max_abs_diff(a: np.ndarray, b: np.ndarray) -> float:
     d = float(np.max(np.abs(a - b)))
     return d if np.isfinite(d) else float("inf")
 
@@ -68,6 +68,10 @@ def costs_key(target: Model, draft: Optional[Drafter], max_verify: int = MAX_VER
 
 def apart_key(target: Model, n_lanes: int) -> str:
     return f"apart_diff|{target.identity}|{n_lanes}"
+
+
+def piece_key(runtime: Model) -> str:
+    return f"piece_diff|{runtime.identity}"
 
 
 def acceptance_key(target: Model, draft: Drafter, greedy: bool) -> str:
@@ -119,7 +123,7 @@ def probe_batch_diffs(target: Model, n_past: int, bound: float, max_batch: int =
     diffs: list[float] = []
     try:
         for d, token in enumerate(tokens):
-            _step(stop)
+            check_stop(stop)
             if trees and d > 0:  # a sibling of tokens[d], alone after tokens[:d]
                 target.decode([leaves[d]])
                 leaf_single.append(target.logits(0).copy())
@@ -130,12 +134,12 @@ def probe_batch_diffs(target: Model, n_past: int, bound: float, max_batch: int =
             single.append(target.logits(0).copy())
         verify_seconds = [float(np.median(times))]
         for b in range(2, max_batch + 1):
-            _step(stop)
+            check_stop(stop)
             target.truncate(n_past)
             t0 = time.perf_counter()
             target.decode(tokens[:b], n_logits=b)
             verify_seconds.append(time.perf_counter() - t0)
-            diffs.append(max(_max_abs_diff(target.logits(i), single[i]) for i in range(b)))
+            diffs.append(max(max_abs_diff(target.logits(i), single[i]) for i in range(b)))
             if trees and b > 2:
                 diffs[-1] = max(diffs[-1], _tree_diff(target, n_past, tokens, leaves, single, leaf_single, b))
             if diffs[-1] > bound:
@@ -156,8 +160,8 @@ def _tree_diff(target: Model, n_past: int, tokens: list[int], leaves: list[int],
     # tokens[0] is the root; the chain tokens[1:c] under it, and a leaf under each of tokens[0:b - c]
     target.decode_tree(tokens[0], [*tokens[1:c], *leaves[1:b - c + 1]],
                        Tree([*range(-1, c - 2), *range(-1, b - c - 1)]))
-    chain = max(_max_abs_diff(target.logits(i), single[i]) for i in range(c))
-    return max(chain, *(_max_abs_diff(target.logits(c + j), leaf_single[j]) for j in range(b - c)))
+    chain = max(max_abs_diff(target.logits(i), single[i]) for i in range(c))
+    return max(chain, *(max_abs_diff(target.logits(c + j), leaf_single[j]) for j in range(b - c)))
 
 
 def measure_batch_diffs(target: Model, n_past: int, bound: float, stop: Stop = never,
@@ -233,21 +237,21 @@ def probe_reuse_diffs(target: Model, n_past: int, stop: Stop = never) -> float:
         fresh.append(target.logits(0).copy())
         target.truncate(n_past)  # reused: the answer token by token, the new turn as a batch
         for token in answer:
-            _step(stop)
+            check_stop(stop)
             target.decode([token])
         target.decode(turn, n_logits=len(turn))
         reused = [target.logits(i).copy() for i in range(len(turn))]
         target.decode(generated)
         reused.append(target.logits(0).copy())
-        _step(stop)
+        check_stop(stop)
         target.truncate(n_past)  # cut short: all but the last prompt token as a batch, then that one alone
         target.decode(answer + turn[:-1])
         target.decode(turn[-1:])
         last_alone = target.logits(0).copy()
     finally:
         target.truncate(n_past)
-    return max(max(_max_abs_diff(a, b) for a, b in zip(fresh, reused)),
-               _max_abs_diff(last_alone, fresh[len(turn) - 1]))
+    return max(max(max_abs_diff(a, b) for a, b in zip(fresh, reused)),
+               max_abs_diff(last_alone, fresh[len(turn) - 1]))
 
 
 def measure_reuse_diffs(target: Model, n_past: int, stop: Stop = never) -> float:
@@ -262,54 +266,6 @@ def measure_reuse_diffs(target: Model, n_past: int, stop: Stop = never) -> float
     return diff
 
 
-# --- requests in one pass (sharing.py) -------------------------------------------------------
-
-def probe_apart_diff(solo: Model, shared: Any, n_prompt: int = 160, n_steps: int = 8) -> float:
-    """The largest |logit difference| between a lane's one-token rows, decoded while another lane
-    grows and rolls back beside it, and the same rows in a context of its own (solo, left empty).
-    Teacher-forced on the solo rows' greedy choices; the lanes used are freed again."""
-    rng, hi = np.random.default_rng(0), min(solo.n_vocab, 20000)
-    prompt, filler = ([int(t) for t in rng.integers(100, hi, size=n)] for n in (n_prompt, n_prompt // 2))
-    lane, other = shared.lane(0), shared.lane(1)
-    try:
-        other.decode(filler)
-        lane.decode(prompt)
-        solo.discard(0)
-        solo.decode(prompt)
-        worst = _max_abs_diff(lane.logits(0), solo.logits(0))
-        token = int(np.argmax(solo.logits(0)))
-        for _ in range(n_steps):
-            n_other = len(other.cached)
-            other.decode(filler[:4], n_logits=4)  # another lane's verify, half of it rejected
-            other.truncate(n_other + 2)
-            solo.decode([token])
-            lane.decode([token])
-            worst = max(worst, _max_abs_diff(lane.logits(0), solo.logits(0)))
-            token = int(np.argmax(solo.logits(0)))
-        return worst
-    finally:
-        solo.discard(0)
-        for runtime in (lane, other):
-            runtime.discard(0)
-
-
-def cached_apart_diff(solo: Model, n_lanes: int) -> Optional[float]:
-    """The difference measure_apart_diff stored for these lanes, or None where not measured."""
-    record = records.read(apart_key(solo, n_lanes))
-    return None if record is None else float(record["diff"])
-
-
-def measure_apart_diff(solo: Model, shared: Any) -> float:
-    """probe_apart_diff, stored under apart_key once per model file, settings, build and number
-    of lanes (callers read the cached one first: cached_apart_diff)."""
-    t0 = time.perf_counter()
-    diff, seconds = probe_apart_diff(solo, shared), time.perf_counter() - t0
-    records.write(apart_key(solo, shared.n_lanes), {"diff": diff, "seconds": seconds}, "probe at load")
-    log.info("%s: a lane's rows differ from a context of its own by %.3g logits (measured in %.1f s)",
-             solo.name, diff, seconds)
-    return diff
-
-
 # --- costs ---------------------------------------------------------------------------------------
 
 VERIFY_SIZES = (1, 2, 3, 4, 5, 6, 8, 12, 16)
@@ -320,7 +276,7 @@ def _time_decode(runtime: Union[Model, Drafter], n_context: int, tokens: list[in
     """Each of repeats decodes of n tokens (all rows kept, or the last) on n_context cached ones, in seconds."""
     out = []
     for _ in range(repeats):
-        _step(stop)
+        check_stop(stop)
         runtime.truncate(n_context)
         t0 = time.perf_counter()
         if n == 1 or not all_rows:

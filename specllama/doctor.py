@@ -18,7 +18,7 @@ from . import runtime
 if TYPE_CHECKING:
     from .runtime.core import Runtime
 from . import records
-from .calibrate import apart_key, calibrate_fidelity, fidelity_key
+from .calibrate import apart_key, calibrate_fidelity, fidelity_key, piece_key
 from .controller import OnlineCosts, draft_can_pay
 from .fidelity import LEVELS, group_label, kv_group
 from .limits import MAX_VERIFY
@@ -95,7 +95,19 @@ def model_report(llm: Any, n_groups: int = 3) -> dict:
             "costs_measured": records.describe(llm.planner.costs_record),
             "verdict": verdict(costs, k_max, draft is not None),
             "slots": {"n_max": llm.pool.slots.n_max, "note": llm.pool.slots.note,
-                      "batch_requests": sharing_report(llm)}}
+                      "batch_requests": sharing_report(llm), "prefill_pieces": pieces_report(llm)}}
+
+
+def pieces_report(llm: Any) -> dict:
+    """Per model, how a long prompt prefills beside other requests: the piece probe's difference
+    (concurrency_probes.py; None until measured) and when it was measured."""
+    out = {}
+    for role, model in (("target", llm.target), ("draft", llm.draft)):
+        if model is not None and getattr(model, "memory", None) == "attention":
+            record = records.read(piece_key(model))
+            out[role] = {"diff": None if record is None else float(record["diff"]),
+                         "measured": records.describe(record), "n_piece": llm.pool.n_piece(model)}
+    return out
 
 
 def sharing_report(llm: Any) -> dict:
@@ -196,7 +208,18 @@ def print_report(report: dict) -> list[str]:
                          "the shared weights (a KV cache and compute buffers more, made when a request needs "
                          "them); their rounds take turns, so each output is the one it has alone")
             lines.append(f"  {_describe_sharing(slots['batch_requests'])}")
+            lines += [f"  {_describe_pieces(role, p)}" for role, p in slots["prefill_pieces"].items()]
     return lines
+
+
+def _describe_pieces(role: str, p: dict) -> str:
+    head = f"the {role}'s long prompts beside other requests:"
+    if p["diff"] is None:
+        return f"{head} whole chunks until pieces are measured (while idle)"
+    if p["n_piece"]:
+        return (f"{head} in pieces of {p['n_piece']}+ rows, bitwise the whole chunks ({p['measured']}), "
+                "so streams beside them go on between pieces")
+    return f"{head} whole chunks (pieces differ by {p['diff']:.3g} logits, {p['measured']})"
 
 
 def _describe_sharing(b: dict) -> str:

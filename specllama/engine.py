@@ -15,6 +15,7 @@ from .batch import BatchApi
 from .compat import VocabInfo, check_compatible
 from .constraints import Constraint, Grammar, Penalties, check_logit_bias, grammar_source
 from .controller import Costs
+from .concurrency_probes import plan_pieces
 from .decode import Decoding, generate_steps
 from .errors import ClosedError, InvalidParameterError
 from .fidelity import Limits, parse_level
@@ -88,6 +89,8 @@ class SpecLlama(LlamaApi, BatchApi):
                              n_threads=target.n_threads)
         self.planner = Planner(target, draft, lookup, self._stash, self.idle, self.draft_cache)
         self.batch_diffs, self.reuse_diffs = self.planner.batch_diffs, self.planner.reuse_diffs
+        if slots.n_max > 1:  # a long prompt beside others' rounds goes in pieces where measured bitwise
+            plan_pieces(self.pool.pieces, (target, draft), self.idle, self._stash, self.planner.queue_catch_up)
         if self.speculates or batch_requests:
             with self._models, PROCESS.busy():
                 self.planner.measure_short((self.level,), batching=bool(batch_requests))

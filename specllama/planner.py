@@ -164,7 +164,7 @@ class Planner:
         self.costs_record = records.write(costs_key(self.target, self.draft),
                                           records.costs_value(costs.verify, costs.draft_token, **evidence),
                                           "probe while idle")
-        self._queue_catch_up()  # the probe took the draft's context; a long conversation's step is timed
+        self.queue_catch_up()  # the probe took the draft's context; a long conversation's step is timed
         return True
 
     def learned(self, policy: Policy) -> None:
@@ -234,9 +234,9 @@ class Planner:
         # the conversation as it ends now: a probe queued before the task may take the target's
         # context first (its state kept in RAM), and the draft then caught up with the probe's
         self._conversation = list(self.target.cached)
-        self._queue_catch_up()
+        self.queue_catch_up()
 
-    def _queue_catch_up(self) -> None:
+    def queue_catch_up(self) -> None:
         draft, cache = self.draft, self._draft_cache
         if draft is None or cache is None or draft.follows_target:
             return

@@ -22,7 +22,7 @@ from __future__ import annotations
 import logging
 from typing import Any, Optional, Union
 
-from .calibrate import cached_apart_diff, measure_apart_diff
+from .concurrency_probes import cached_apart_diff, measure_apart_diff
 from .fidelity import Level
 from .prompt_cache import Budget, PromptCache
 from .runtime.protocols import Drafter, Model

@@ -33,7 +33,7 @@ from .errors import BusyError, InvalidParameterError
 from .idle import PROCESS
 from .prompt_cache import MIN_SAVE, Budget, PromptCache
 from .runtime.core import SlotUnavailable
-from .runtime.protocols import Drafter, Model
+from .runtime.protocols import Beside, Drafter, Model
 from .runtime.session import common_prefix
 
 log = logging.getLogger("specllama")
@@ -133,12 +133,14 @@ class Slot:
         n_keep = min(common_prefix(cached, prompt), len(prompt) - 1)
         return n_keep < len(cached) - n_keep < MIN_SAVE
 
-    def between_chunks(self, call: Optional[Callable[[], None]]) -> None:
-        """What this slot's runtimes call between the chunks of a long decode (None: nothing);
-        set only while a generation owns the slot, as nothing else decodes in it then."""
+    def between_chunks(self, beside: Optional[Beside], n_piece: Callable[[Any], int] = lambda runtime: 0) -> None:
+        """The other generations this slot's runtimes pass the turn to between the chunks of a
+        long decode (None: none), and the rows their chunks go in pieces of while others generate
+        (n_piece(runtime); 0: whole chunks); set only while a generation owns the slot, as nothing
+        else decodes in it then."""
         for runtime in (self.target, self.draft):
-            if runtime is not None and hasattr(runtime, "between_chunks"):
-                runtime.between_chunks = call
+            if runtime is not None and hasattr(runtime, "between_chunks") and hasattr(runtime, "n_piece"):
+                runtime.between_chunks, runtime.n_piece = beside, n_piece(runtime) if beside is not None else 0
 
     def close(self) -> None:
         for runtime in (self.draft, self.target):
@@ -241,11 +243,25 @@ class Pool:
         self.slots, self._idle_busy = slots, idle_busy
         self.lanes: Optional[Slots] = None  # slots on the shared context (sharing.py), where made
         self.turn = Turns()
+        # rows a model's prefill chunks go in pieces of beside others (by identity; measured bitwise
+        # by the piece probe, concurrency_probes.py); unmeasured models prefill whole chunks
+        self.pieces: dict[str, int] = {}
         self._cv = threading.Condition()
         self.streams: set[Any] = set()
         self.n_generating = 0  # generations holding or waiting for a slot
         self._n_growing = 0  # slots being made
         self._exclusive = False
+
+    def n_piece(self, runtime: Any) -> int:
+        return self.pieces.get(runtime.identity, 0)
+
+    def n_others(self) -> int:
+        """(a generation's thread) The other generations running or waiting for a slot: a stream
+        between two rounds is not waiting for the turn, but comes back for it at once."""
+        return max(0, self.n_generating - 1)
+
+    def pass_turn(self) -> None:
+        self.turn.pass_turn()
 
     @contextmanager
     def generation(self, stream: Any, prompt: list[int], check_open: Callable[[], None],
@@ -265,7 +281,7 @@ class Pool:
                 while slot is None:  # a new slot, made in the models' turn
                     slot = self._grow(group, me, prompt, check_open)
                 check_open()  # closed while it waited to start
-                slot.between_chunks(self.turn.pass_turn)
+                slot.between_chunks(self, self.n_piece)
                 yield slot
         finally:
             with self._cv:

@@ -103,3 +103,4 @@ def test_doctor_with_a_model_gives_fidelity_costs_and_a_verdict(model_paths):
     assert m["verdict"].startswith(("a draft can pay here", "a draft cannot"))
     assert "weights" in m["memory_plan"]
     assert m["slots"]["n_max"] == 4 and m["slots"]["note"] == "" and "possible" in m["slots"]["batch_requests"]
+    assert set(m["slots"]["prefill_pieces"]) == {"target", "draft"}  # each model's long prompts beside others

@@ -12,7 +12,9 @@ import pytest
 import specllama
 from specllama import prompt_cache
 from specllama.prompt_cache import Budget, reusable
+from specllama.concurrency_probes import piece_bounds
 from specllama.runtime import PrefillRow, chunk_bounds
+from specllama.runtime.batches import piece_end
 
 from conftest import SETTINGS
 from prompts import LONG_CODE
@@ -50,6 +52,28 @@ def test_aligned_chunks_end_on_multiples_of_the_batch():
     assert chunk_bounds(0, 10, 4, True) == [(0, 4), (4, 8), (8, 10)]
     assert chunk_bounds(6, 7, 4, True) == [(0, 2), (2, 6), (6, 7)]  # positions 6-7, 8-11, 12
     assert chunk_bounds(6, 7, 4, False) == [(0, 4), (4, 7)]
+
+
+def test_pieces_of_a_chunk():
+    """A prefill beside other requests goes in pieces: multiples of n_piece rows from the chunk's
+    start, the last holding at least n_piece (the shapes the piece probe measures)."""
+    assert piece_end(0, 512, 64, 64) == 64
+    assert piece_end(64, 512, 150, 64) == 192  # about n_want, in multiples of n_piece
+    assert piece_end(192, 512, 1000, 64) == 512
+    assert piece_end(0, 512, 0, 64) == 64  # at least one piece
+    assert piece_end(384, 500, 64, 64) == 500 and piece_end(0, 100, 64, 64) == 100  # no piece under n_piece
+    assert piece_end(0, 512, 64, 0) == 512  # 0: whole chunks
+    rng = np.random.default_rng(0)
+    for _ in range(500):
+        chunk_end, start, n_piece = int(rng.integers(1, 600)), 0, int(rng.choice([16, 64]))
+        sizes = []
+        while start < chunk_end:
+            end = piece_end(start, chunk_end, int(rng.integers(0, 300)), n_piece)
+            sizes.append(end - start)
+            start = end
+        assert sum(sizes) == chunk_end and all(n % n_piece == 0 for n in sizes[:-1])
+        assert sizes[-1] >= n_piece or len(sizes) == 1
+    assert piece_bounds(512, 653) == [(0, 64), (64, 192), (192, 448), (448, 512), (512, 576), (576, 653)]
 
 
 def test_reusable_prefixes():

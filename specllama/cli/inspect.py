@@ -122,6 +122,7 @@ def calibrate_cmd(choice: ModelChoice, kv_groups: int, fresh: bool, as_json: boo
     costs, loaded exactly as `run` loads it: what run, chat and serve then use."""
     from .. import records
     from ..calibrate import calibrate_fidelity, costs_key, measure_costs
+    from ..concurrency_probes import measure_pieces
     from ..fidelity import LEVELS, group_label, kv_group
     from ..limits import MAX_VERIFY
 
@@ -143,13 +144,14 @@ def calibrate_cmd(choice: ModelChoice, kv_groups: int, fresh: bool, as_json: boo
                                    "specllama calibrate")
         verify, draft_token = record["verify"], record["draft_token"]
         has_draft = llm.draft is not None
+        pieces = measure_pieces(llm.pool.pieces, (llm.target, llm.draft), fresh) if llm.pool.slots.n_max > 1 else {}
     levels = ("bitwise", "rounding")
     rows = [{"kv": group_label(kv_group(f.n_kv)), **f.as_dict(),
              **{f"max_verify_{name}": f.largest_batch(LEVELS[name].bound) for name in levels}} for f in fidelity]
     if as_json:
         click.echo(json.dumps({"fidelity": rows, "rounding_bound": LEVELS["rounding"].bound,
                                "verify_seconds": list(verify), "draft_token_seconds": draft_token,
-                               "costs_measured": records.describe(record)}))
+                               "costs_measured": records.describe(record), "prefill_piece_diffs": pieces}))
         return
     click.echo(f"largest |logit difference| of a verify batch of b tokens against single-token rows "
                f"(rounding level allows <= {LEVELS['rounding'].bound:g}):")
@@ -163,6 +165,9 @@ def calibrate_cmd(choice: ModelChoice, kv_groups: int, fresh: bool, as_json: boo
                + f" ({records.describe(record)})")
     if has_draft:
         click.echo(f"draft: {draft_token * 1000:.1f} ms per token ({draft_token / verify[0]:.0%} of a target step)")
+    for name, diff in pieces.items():
+        click.echo(f"{name}: a prompt prefilled in pieces beside other requests differs from whole chunks by "
+                   f"{diff:.3g} logits: " + ("pieces" if diff == 0 else "whole chunks"))
 
 
 @main.command("doctor")

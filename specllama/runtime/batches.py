@@ -9,6 +9,12 @@ from dataclasses import dataclass
 from ..tree import Tree
 
 KV_PAD = 256  # llama.cpp pads the KV length it attends over to a multiple of 256 (get_n_kv)
+# a prefill beside other requests' rounds goes in pieces of multiples of this many rows: on our
+# 2-core x86 CPUs (F16 and Q4_K_M Qwen2.5-Coder, Gemma 3, SmolLM2; KV lengths up to 3,100) rows
+# of 64-row batches and up are bitwise those of a whole 512-token chunk, and of 32-row ones not
+# (0.04-1.9 logits); where it holds is measured per model (calibrate piece probe)
+N_PIECE = 64
+PIECE_SECONDS = 0.25  # a piece takes about this long, so a stream beside it waits little more
 
 
 def kv_length(n_cells: int, n_ctx: int) -> int:
@@ -26,6 +32,18 @@ def chunk_bounds(n_past: int, n_tokens: int, n_batch: int, aligned: bool) -> lis
         bounds.append((start, end))
         start = end
     return bounds
+
+
+def piece_end(at: int, chunk_end: int, n_want: int, n_piece: int) -> int:
+    """Where a piece of a prefill chunk that starts at `at` ends: about n_want rows, cut at a
+    multiple of n_piece rows past `at`, the rest of the chunk where under n_piece would be left.
+    Starting from the chunk's start, every piece but the last of a chunk holds a multiple of
+    n_piece rows and the last holds at least n_piece (or the whole chunk): the shapes whose rows
+    calibrate's piece probe compares with the whole chunk's. n_piece 0: the whole chunk."""
+    if n_piece <= 0:
+        return chunk_end
+    end = at + max(1, n_want // n_piece) * n_piece
+    return chunk_end if chunk_end - end < n_piece else end
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from contextlib import ExitStack
 from dataclasses import dataclass
 from typing import Any, Optional, Union
@@ -19,11 +19,12 @@ import numpy as np
 
 from ..errors import ContextFullError, DecodeError
 from . import session
-from .batches import chunk_bounds
+from .batches import PIECE_SECONDS, chunk_bounds, piece_end
 from .decoder import check_status, llama_decode
 from .ggml import MemoryUse
 from .handles import Batch, Handle
 from .memory import memory_of
+from .protocols import Beside
 from .settings import ModelSettings
 from .state import PrefillRow, SavedState, restore_sequence, save_sequence
 from .trees import TreeDecode, TreeDecoding
@@ -38,6 +39,20 @@ class Lane:
     shared: Any
     base: int
     n_ctx: int
+
+
+def _next_batch(runtime: "Runtime", start: int, chunk_end: int, n_logits: int, t_row: float) -> int:
+    """Where a decode's next batch from start (in a chunk ending at chunk_end) ends. Past the
+    first, the other requests' rounds go first; while others generate, a piece of
+    multiples of n_piece rows taking about PIECE_SECONDS (t_row: the last batch's seconds a row),
+    so a long prefill holds them up a piece at a time, not a chunk: the same rows either way."""
+    beside = runtime.between_chunks
+    if beside is None:
+        return chunk_end
+    if start:
+        beside.pass_turn()
+    n_piece = runtime.n_piece if n_logits <= runtime.n_piece and beside.n_others() else 0
+    return piece_end(start, chunk_end, int(PIECE_SECONDS / t_row) if t_row else 0, n_piece)
 
 
 class SlotUnavailable(Exception):
@@ -101,9 +116,10 @@ class Runtime(Vocab, TreeDecoding):
         self.mtp_note = ""  # why they could not be loaded
         self.settings: Optional[ModelSettings] = None  # what load() made the context with (None: borrowed)
         self.n_seq = n_seq
-        # called between the chunks of a long decode (a slot's generation passes the models'
-        # turn there); the chunks are the same with or without it
-        self.between_chunks: Optional[Callable[[], None]] = None
+        # the other requests' turn, passed between the chunks of a long decode (_next_batch), and
+        # the rows its chunks go in pieces of while they wait (0: whole), where measured bitwise
+        self.between_chunks: Optional[Beside] = None
+        self.n_piece = 0
         self._memory.clear()
 
     @classmethod
@@ -190,17 +206,20 @@ class Runtime(Vocab, TreeDecoding):
         self._rows.clear()
         self._memory.before_decode(n_past, len(tokens))
         try:
-            for start, end in chunk_bounds(n_past, len(tokens), self.n_batch, aligned):
-                if start and self.between_chunks is not None:  # the same chunks, others' rounds between
-                    self.between_chunks()
-                # logits are only kept for the final chunk; all requested rows must be in it
-                self._batch.fill(tokens[start:end], n_past + start, max(0, n_logits - (len(tokens) - end)))
-                self._pass(n_past + start, end - start)
-                self.cached.extend(tokens[start:end])
-                self._memory.after_decode(n_past + start, n_past + end)
-                if self.mtp_head is not None:
-                    self.mtp_head.follow(self.cached, n_past + start)
-            self._rows.n, self._rows.first = n_logits, end - start - n_logits
+            t_row = 0.0  # seconds a row of the last piece took
+            for start, chunk_end in chunk_bounds(n_past, len(tokens), self.n_batch, aligned):
+                while start < chunk_end:
+                    end, t0 = _next_batch(self, start, chunk_end, n_logits, t_row), time.perf_counter()
+                    # logits are only kept for the final piece; all requested rows must be in it
+                    self._batch.fill(tokens[start:end], n_past + start, max(0, n_logits - (len(tokens) - end)))
+                    self._pass(n_past + start, end - start)
+                    t_row, first = (time.perf_counter() - t0) / (end - start), end - start - n_logits
+                    self.cached.extend(tokens[start:end])
+                    self._memory.after_decode(n_past + start, n_past + end)
+                    if self.mtp_head is not None:
+                        self.mtp_head.follow(self.cached, n_past + start)
+                    start = end
+            self._rows.n, self._rows.first = n_logits, first
         except BaseException:
             self._rows.clear()
             self.discard(n_past)

@@ -13,6 +13,14 @@ from .ggml import MemoryUse
 from .state import PrefillRow, SavedState
 
 
+class Beside(Protocol):
+    """The other requests generating beside a long decode (slots.Pool), as it sees them."""
+
+    def n_others(self) -> int: ...  # other generations running or waiting to
+
+    def pass_turn(self) -> None: ...  # let those waiting for the models go first, then take them back
+
+
 class Drafter(Protocol):
     """A draft: decodes one sequence, one or a few tokens at a time, and gives the last row.
     follows_target: fed by the target's own decodes (MTP heads), so nothing to prefill."""
