@@ -32,7 +32,7 @@ from .sampling import SamplingSettings
 from .sharing import Sharing, open_sharing, why_not_shared
 from .slots import Pool, Slot, Slots, why_single
 from .stats import Stats
-from .streams import Chunk, Result, Stream
+from .streams import Chunk, Outcome, Result, Stream
 from .text import Detokenizer, StopMatcher
 
 log = logging.getLogger("specllama")
@@ -151,8 +151,9 @@ class SpecLlama(LlamaApi, BatchApi):
         Options are checked now, so bad input raises here rather than mid-iteration.
         """
         request = self._request(self._prompt_tokens(prompt), GenerateOptions.of(options))
-        stream = Stream(_empty())
-        stream._chunks = self._run(request, stream)
+        outcome = Outcome()
+        stream = Stream(self._run(request, outcome), outcome)
+        self.pool.open(stream)
         return stream
 
     def chat(self, messages: list[dict], **options: Any) -> Result:
@@ -267,19 +268,19 @@ class SpecLlama(LlamaApi, BatchApi):
         self._check_open()
         return self.pool.exclusive()
 
-    def _run(self, req: Request, stream: Stream) -> Generator[Chunk, None, None]:
+    def _run(self, req: Request, outcome: Outcome) -> Generator[Chunk, None, None]:
         tokens: list[int] = []
         texts: list[str] = []
         finish = "cancelled"
         lane = self.sharing is not None and self.sharing.admits(req.level, req.seeded)
-        with self.pool.generation(stream, req.prompt, self._check_open, lane) as slot:
+        with self.pool.generation(req.prompt, self._check_open, lane) as slot:
             proposer, policy = self.planner.plan(req, slot.draft_cache, slot.draft)
             t_start = time.perf_counter()
             stats = Stats(n_prompt=len(req.prompt), n_draft_max=policy.limit if proposer is not None else 0,
                           fidelity=str(req.level), rollback=self.target.rollback,
                           draft_source="mtp" if self.mtp else "model" if self.draft is not None else "")
             n_replayed = slot.target.n_replayed
-            stream.stats = stats
+            outcome.stats = stats
             limits = Limits(req.level, self.batch_diffs,
                             shared=self.sharing.diff if slot.lane and self.sharing is not None else None)
             slot.target.batch_cap = 1  # the prefill's chunks: alone; the rounds set their own
@@ -301,7 +302,7 @@ class SpecLlama(LlamaApi, BatchApi):
                                                 np.random.default_rng(req.seed), limits, stats, req.constraint,
                                                 req.n_logprobs), req.prompt)
                 finish = "length"  # running out of context also ends here, and an error mid-way
-                finish = yield from self._emit(_in_turns(steps, self._models), req, stream, tokens, texts, detokenizer,
+                finish = yield from self._emit(_in_turns(steps, self._models), req, outcome, tokens, texts, detokenizer,
                                                matcher)
             except GeneratorExit:
                 finish = "cancelled"
@@ -315,17 +316,17 @@ class SpecLlama(LlamaApi, BatchApi):
                 stats.slot = slot.index
                 if req.n_draft == "auto" and self.speculates and self.planner.costs() is None:
                     stats.measurements_pending.append("the decode costs")
-                stream.result = Result("".join(texts), tokens, finish, stats, matcher.matched)
+                outcome.result = Result("".join(texts), tokens, finish, stats, matcher.matched)
                 self.planner.learned(policy)
                 if slot.index == 0 and not slot.lane:  # the planner measures on the first slot's contexts
                     self.planner.want_catch_up()
 
-    def _emit(self, steps: Iterator[Any], req: Request, stream: Stream, tokens: list[int], texts: list[str],
+    def _emit(self, steps: Iterator[Any], req: Request, outcome: Outcome, tokens: list[int], texts: list[str],
               detokenizer: Detokenizer, matcher: StopMatcher) -> Generator[Chunk, None, str]:
         """Chunks of the accepted tokens until a stop, max_tokens or a cancel; the finish reason."""
         finish = "length"
         for token, from_draft, logprob in _accepted_tokens(steps):
-            if stream.cancelled:
+            if outcome.cancel.is_set():
                 return "cancelled"
             if self.target.is_eog(token):
                 finish = "stop"
@@ -382,10 +383,6 @@ def _in_turns(steps: Iterator[Any], turn: Any) -> Iterator[Any]:
         if step is None:
             return
         yield step
-
-
-def _empty() -> Generator[Chunk, None, None]:
-    yield from ()
 
 
 def _accepted_tokens(steps: Iterator[Any]) -> Iterator[tuple[int, bool, Any]]:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import weakref
 from collections import deque
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -247,7 +248,7 @@ class Pool:
         # by the piece probe, concurrency_probes.py); unmeasured models prefill whole chunks
         self.pieces: dict[str, int] = {}
         self._cv = threading.Condition()
-        self.streams: set[Any] = set()
+        self.streams: weakref.WeakSet[Any] = weakref.WeakSet()  # open ones: dropped ones close as they go
         self.n_generating = 0  # generations holding or waiting for a slot
         self._n_growing = 0  # slots being made
         self._exclusive = False
@@ -264,9 +265,8 @@ class Pool:
         self.turn.pass_turn()
 
     @contextmanager
-    def generation(self, stream: Any, prompt: list[int], check_open: Callable[[], None],
-                   lane: bool = False) -> Iterator[Slot]:
-        """A slot for stream's generation, for as long as it runs (a lane where lane and the
+    def generation(self, prompt: list[int], check_open: Callable[[], None], lane: bool = False) -> Iterator[Slot]:
+        """A slot for a generation, for as long as it runs (a lane where lane and the
         lanes exist): the free one sharing the most with prompt, a new one while under n_max, or
         the next to be freed by another thread. BusyError while exclusive(), or when this
         thread's own open streams hold every slot."""
@@ -274,7 +274,6 @@ class Pool:
         group = self.lanes if lane and self.lanes is not None else self.slots
         with self._cv:
             slot = self._take(group, prompt, me)
-            self.streams.add(stream)
             self.n_generating += 1
         try:
             with PROCESS.busy():  # idle work anywhere in the process ends first
@@ -288,7 +287,6 @@ class Pool:
                 if slot is not None:
                     slot.between_chunks(None)
                     slot.owner = None
-                self.streams.discard(stream)
                 self.n_generating -= 1
                 self._cv.notify_all()
             self._idle_busy()
@@ -366,10 +364,16 @@ class Pool:
                 self._exclusive = False
             self._idle_busy()
 
+    def open(self, stream: Any) -> None:
+        """A stream end_all() closes once started (held weakly: one its caller drops is freed)."""
+        with self._cv:
+            self.streams.add(stream)
+
     def end_all(self) -> None:
         """Close every open stream (from any thread) and wait until no generation runs."""
         for stream in list(self.streams):
-            stream.close()
+            if stream.started:  # one never started raises ClosedError when it is
+                stream.close()
         with self._cv:
             while self.n_generating:
                 self._cv.wait(timeout=0.1)

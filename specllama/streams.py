@@ -32,37 +32,57 @@ class Result:
     stop_sequence: Optional[str] = None  # the stop string that ended it, if one did
 
 
+@dataclass
+class Outcome:
+    """What a generation writes and its Stream reads: the generation holds this, never the
+    Stream, so a Stream dropped without close() (a `for` loop left with break) is freed at once,
+    and with it its generation, which ends as close() would end it and frees its slot."""
+
+    result: Optional[Result] = None
+    stats: Optional[Stats] = None  # the running generation's stats, live
+    cancel: threading.Event = field(default_factory=threading.Event)
+
+
 class Stream:
     """Iterator of Chunks; `result` holds the text, finish_reason and stats once it has ended.
     Stepping and closing it are serialized, so close() from another thread waits for the step
     in progress rather than meeting a running generator."""
 
-    def __init__(self, chunks: Generator[Chunk, None, None]):
+    def __init__(self, chunks: Generator[Chunk, None, None], outcome: Optional[Outcome] = None):
         self._chunks = chunks
-        self.result: Optional[Result] = None
-        self.stats: Optional[Stats] = None  # the running generation's stats, live
-        self._cancel = threading.Event()
+        self._outcome = Outcome() if outcome is None else outcome
         self._step = threading.Lock()
+        self.started = False  # stepped at least once (a generation that never started holds nothing)
+
+    @property
+    def result(self) -> Optional[Result]:
+        return self._outcome.result
+
+    @property
+    def stats(self) -> Optional[Stats]:
+        """The running generation's stats, live (None before it starts)."""
+        return self._outcome.stats
 
     def __iter__(self) -> "Stream":
         return self
 
     def __next__(self) -> Chunk:
         with self._step:
+            self.started = True
             return next(self._chunks)
 
     def cancel(self) -> None:
         """Ask the generation to stop at its next token, from any thread; it then ends with
         finish_reason "cancelled"."""
-        self._cancel.set()
+        self._outcome.cancel.set()
 
     @property
     def cancelled(self) -> bool:
-        return self._cancel.is_set()
+        return self._outcome.cancel.is_set()
 
     def close(self) -> None:
         """Stop early; the models stay consistent and `result` says "cancelled"."""
-        self._cancel.set()
+        self._outcome.cancel.set()
         with self._step:
             self._chunks.close()
 

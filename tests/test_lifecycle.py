@@ -71,6 +71,27 @@ def test_close_from_another_thread_while_it_decodes(model_paths):
     assert out[-3:] == ["joined", "True", "True"] and out[:-3] in (["ended", "cancelled"], ["closed"]), out
 
 
+def test_a_stream_dropped_unclosed_frees_its_slot(model_paths):
+    """A `for` loop left with break drops its Stream without close(): the generation ends then,
+    as close() ends it, and its slot is free again at once (cyclic garbage collection off: only
+    the reference count). Before, the slot stayed taken, and with every slot held by a dropped
+    stream the next request waited for good (found by a benchmark whose streaming thread broke out
+    of its loop: the next 2,000-token prompt waited for the whole 3,000-token stream)."""
+    out = run(model_paths, """
+        import gc
+        gc.disable()
+        llm = specllama.load(target, draft, n_ctx=2048, n_threads=2, n_parallel=1)
+        for chunk in llm.stream("def f(x):", max_tokens=64):
+            break
+        answers = []
+        t = threading.Thread(target=lambda: answers.append(llm.generate("def g(y):", max_tokens=8).finish_reason))
+        t.start()
+        t.join(120)
+        print("answered", answers, "again", llm.generate("def h(z):", max_tokens=8).finish_reason)
+    """)
+    assert out == ["answered", "['length']", "again", "length"], out
+
+
 def test_a_stream_never_started_raises_closed_error_after_close(model_paths):
     out = run(model_paths, """
         llm = load()
