@@ -22,6 +22,9 @@ test_title_beside_a_stream: the chat-UI scenario (Open WebUI sends a title reque
 answer of a new chat): a 192-token answer streams, a 16-token title request follows 0.5 s later;
 its latency beside the stream against its latency alone, per configuration (goal: within 2x).
 
+test_long_prompt_beside_a_stream: a ~2,000-token prompt (shlex.py) arrives while an answer streams:
+its prefill in pieces against whole chunks, the stream's longest gap meanwhile (item 2 of issue 32).
+
 test_llama_server_at_once: the same requests (as chat messages) against llama-server built from
 the vendored llama.cpp (scripts/build_llama_server.sh, or SPECLLAMA_LLAMA_SERVER=path) with
 -np N, with and without -md (the same draft): (c) of issue 32. Skipped when it is not built.
@@ -47,6 +50,7 @@ import openai
 import pytest
 
 import specllama
+import workloads
 from specllama.batch import time_requests
 
 N_THREADS = int(os.environ.get("SPECLLAMA_BENCH_THREADS", "2"))
@@ -168,6 +172,69 @@ def test_title_beside_a_stream(bench_models, target):
     for name, s in seconds.items():
         alone, beside = statistics.median(s["alone"]), statistics.median(s["beside"])
         print(f"{target:6} {name:14} {alone:10.2f}s {beside:7.2f}s {beside / alone:5.1f}x")
+
+
+LONG_ASK = "Explain what this module does, function by function:\n\n```python\n{}```"
+COUNTING = "1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12,"  # a plain completion that counts on for thousands of tokens
+
+
+def _prefill_beside_a_stream(llm, run: int) -> dict:
+    """A stream runs; a ~2,000-token prompt arrives: its time to first token, and the stream's
+    longest gap and tokens per second while that prompt prefills (until its first token)."""
+    source = workloads.shlex_source()
+    long_prompt = llm.chat_tokens([{"role": "user", "content": f"(run {run}) " + LONG_ASK.format(source)}])[:2000]
+    stamps: list[float] = []
+    started, done = threading.Event(), threading.Event()
+
+    def streaming():
+        for chunk in llm.stream(COUNTING, max_tokens=3000):
+            stamps.extend([time.perf_counter()] * len(chunk.tokens))
+            if len(stamps) >= 8:
+                started.set()
+            if done.is_set():
+                break
+
+    thread = threading.Thread(target=streaming, daemon=True)
+    thread.start()
+    assert started.wait(300)
+    t0 = time.perf_counter()
+    stream = llm.stream(long_prompt, max_tokens=1)
+    next(stream, None)
+    t1 = time.perf_counter()
+    stream.close()
+    done.set()
+    thread.join(600)
+    assert max(stamps) > t1, "the stream ended before the prefill did"
+    gaps = [b - a for a, b in zip(stamps, stamps[1:]) if t0 <= b and a <= t1]
+    return {"ttft": t1 - t0, "gap": max(gaps), "rate": sum(t0 <= t <= t1 for t in stamps) / (t1 - t0)}
+
+
+@pytest.mark.parametrize("target", _targets())
+def test_long_prompt_beside_a_stream(bench_models, target):
+    """Item 2 of issue 32: a 2,000-token prompt arrives while an answer streams. Its prefill in
+    pieces (where measured bitwise) against whole 512-token chunks (pieces switched off), in the
+    same process, alternating; in contexts of their own (turns) and in lanes (batched)."""
+    path, draft = bench_models[TARGETS[target]], bench_models["draft"]
+    settings = dict(n_ctx=4096, n_threads=N_THREADS)
+    rows = {}
+    with specllama.load(path, draft, n_parallel=2, **settings) as turns, \
+            specllama.load(path, draft, n_parallel=2, batch_requests=True, **settings) as batched:
+        for name, llm in (("spec, turns", turns), ("spec, batched", batched)):
+            llm.warm_up()  # the piece probe among the rest, before the clock
+            measured = dict(llm.pool.pieces)
+            assert any(measured.values()), f"{name}: pieces were not measured bitwise here: {measured}"
+            for repeat in range(REPEATS):
+                for pieces in ((True, False) if repeat % 2 == 0 else (False, True)):
+                    llm.pool.pieces.update(measured if pieces else dict.fromkeys(measured, 0))
+                    result = _prefill_beside_a_stream(llm, 2 * repeat + pieces)
+                    rows.setdefault((name, pieces), []).append(result)
+            llm.pool.pieces.update(measured)
+    print(f"\n{'target':6} {'config':14} {'prefill':12} {'its first token':>15} {'stream: longest gap':>19} "
+          f"{'tok/s meanwhile':>15}")
+    for (name, pieces), results in rows.items():
+        med = {key: statistics.median(r[key] for r in results) for key in ("ttft", "gap", "rate")}
+        print(f"{target:6} {name:14} {'in pieces' if pieces else 'whole chunks':12} {med['ttft']:14.2f}s "
+              f"{med['gap']:18.2f}s {med['rate']:15.1f}")
 
 
 def _llama_server() -> Optional[str]:

@@ -12,9 +12,11 @@ KV_PAD = 256  # llama.cpp pads the KV length it attends over to a multiple of 25
 # a prefill beside other requests' rounds goes in pieces of multiples of this many rows: on our
 # 2-core x86 CPUs (F16 and Q4_K_M Qwen2.5-Coder, Gemma 3, SmolLM2; KV lengths up to 3,100) rows
 # of 64-row batches and up are bitwise those of a whole 512-token chunk, and of 32-row ones not
-# (0.04-1.9 logits); where it holds is measured per model (calibrate piece probe)
+# (0.04-1.9 logits); where it holds is measured per model (concurrency_probes.py)
 N_PIECE = 64
-PIECE_SECONDS = 0.25  # a piece takes about this long, so a stream beside it waits little more
+# a piece takes about this long (64 rows take more on our CPUs: 0.6 s on the F16 1.5B), so a
+# stream beside a long prefill waits about that and one round of its own between its tokens
+PIECE_SECONDS = 0.5
 
 
 def kv_length(n_cells: int, n_ctx: int) -> int:
