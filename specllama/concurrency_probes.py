@@ -132,12 +132,12 @@ def cached_piece_diff(runtime: Model) -> Optional[float]:
     return None if record is None else float(record["diff"])
 
 
-def measure_piece_diff(runtime: Model, stop: Stop = never) -> float:
+def measure_piece_diff(runtime: Model, stop: Stop = never, how: str = "probe while idle") -> float:
     """probe_piece_diff, stored under piece_key once per model file, settings and build."""
     t0 = time.perf_counter()
     diff = probe_piece_diff(runtime, stop)
     seconds = time.perf_counter() - t0
-    records.write(piece_key(runtime), {"diff": diff, "seconds": seconds, "n_piece": N_PIECE}, "probe while idle")
+    records.write(piece_key(runtime), {"diff": diff, "seconds": seconds, "n_piece": N_PIECE}, how)
     log.info("%s: a prefill in pieces of %d rows differs from whole chunks by %.3g logits (measured in %.1f s)%s",
              runtime.name, N_PIECE, diff, seconds, "" if diff == 0 else "; prefills beside other requests stay whole")
     return diff
@@ -160,7 +160,7 @@ def measure_pieces(pieces: dict[str, int], runtimes: tuple[Any, ...], fresh: boo
     out = {}
     for runtime in filter(_eligible, runtimes):
         diff = None if fresh else cached_piece_diff(runtime)
-        diff = measure_piece_diff(runtime) if diff is None else diff
+        diff = measure_piece_diff(runtime, how="specllama calibrate") if diff is None else diff
         pieces[runtime.identity], out[runtime.name] = _n_piece(diff), diff
     return out
 
