@@ -76,6 +76,10 @@ def measure_apart_diff(solo: Model, shared: Any) -> float:
 # --- a prefill in pieces (runtime/core.py: Runtime.decode) --------------------------------------
 
 N_TAIL = 13  # the probe's last piece holds N_PIECE + N_TAIL rows: a piece with a tail merged in
+# the probe's whole chunk is one llama.cpp call (4.2 s for the F16 1.5B's 512 rows on 2 cores): it
+# starts only after this long without a request, past a chat UI's follow-up requests or an agent's
+# next turn, which would otherwise wait for it
+PROBE_QUIET_SECONDS = 5.0
 
 
 def piece_bounds(n_batch: int, n_tokens: int, n_piece: int = N_PIECE) -> list[tuple[int, int]]:
@@ -186,4 +190,4 @@ def plan_pieces(pieces: dict[str, int], runtimes: tuple[Any, ...], idle: IdleWor
             return True
 
         idle.add(Task(f"pieces|{runtime.identity}", run, what=f"{runtime.name}'s prefill in pieces",
-                      takes_context=True))
+                      takes_context=True, quiet=PROBE_QUIET_SECONDS))

@@ -87,7 +87,7 @@ class SpecLlama(LlamaApi, BatchApi):
         self._models = self.pool.turn  # whoever decodes holds it: a generation's round, or idle work
         self.idle = IdleWork(self._models, lambda: self.pool.n_generating > 0 or self._closed, start=idle_work,
                              n_threads=target.n_threads)
-        self.planner = Planner(target, draft, lookup, self._stash, self.idle, self.draft_cache)
+        self.planner = Planner(target, draft, lookup, self._stash, self.idle, self.draft_cache, self.pool.n_piece)
         self.batch_diffs, self.reuse_diffs = self.planner.batch_diffs, self.planner.reuse_diffs
         if slots.n_max > 1:  # a long prompt beside others' rounds goes in pieces where measured bitwise
             plan_pieces(self.pool.pieces, (target, draft), self.idle, self._stash, self.planner.queue_catch_up)

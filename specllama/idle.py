@@ -18,6 +18,7 @@ caller's thread, at once.
 from __future__ import annotations
 
 import logging
+import math
 import random
 import threading
 import time
@@ -27,6 +28,7 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from .cores import SPARE_CORES, OthersArrive, cores_used_by_others
+from .runtime.batches import Interrupted
 
 log = logging.getLogger("specllama")
 
@@ -82,8 +84,42 @@ class _Process:
 PROCESS = _Process()
 
 
-class Preempted(Exception):
-    """A generation wants the models: the work ends early, to be retried when idle again."""
+class Preempted(Interrupted):
+    """A generation wants the models: the work ends early, to be retried when idle again (raised
+    between two batches of one decode, in_pieces, it keeps those decoded: runtime.batches)."""
+
+
+class _Yield:
+    """runtime.between_chunks while idle work decodes (runtime/protocols.Beside): pieces, as if
+    others generated, and stop() looked at between them."""
+
+    def __init__(self, stop: Callable[[], bool]):
+        self._stop = stop
+
+    def n_others(self) -> int:
+        return 1
+
+    def pass_turn(self) -> None:
+        if self._stop():
+            raise Preempted()
+
+
+@contextmanager
+def in_pieces(runtime: Any, n_piece: int, stop: Callable[[], bool]) -> Iterator[None]:
+    """Idle work's long decodes on runtime go in pieces of n_piece rows and up (where measured to
+    be the whole chunks bit for bit, concurrency_probes.py; 0: chunks stay whole), stop() looked at
+    between them: a request that arrives meanwhile waits a piece (about runtime/batches.PIECE_SECONDS),
+    not a chunk (2.4 s for the 0.5B draft's 512 rows on 2 cores). The pieces decoded before a stop
+    stay: the work goes on from there."""
+    if not hasattr(runtime, "between_chunks"):  # a context not decoded by runtime/core.py
+        yield
+        return
+    saved = runtime.between_chunks, runtime.n_piece
+    runtime.between_chunks, runtime.n_piece = _Yield(stop), n_piece
+    try:
+        yield
+    finally:
+        runtime.between_chunks, runtime.n_piece = saved
 
 
 @dataclass
@@ -109,6 +145,10 @@ class Task:
     restores: bool = False
     n_disturbed: int = 0  # runs the machine disturbed (run returned False)
     not_before: float = 0.0  # monotonic time before which the idle thread leaves it (warm_up does not)
+    # idle this long before the idle thread starts it: work with one long llama.cpp call that
+    # cannot stop midway (a whole prefill chunk measured against its pieces) waits for a quiet
+    # longer than between a chat UI's or an agent's back-to-back requests, which it would delay
+    quiet: float = GRACE_SECONDS
 
 
 class IdleWork:
@@ -164,14 +204,15 @@ class IdleWork:
             ran.append(task.key)
         return ran
 
-    def _first_ready(self, skip: Optional[set[str]] = None, now: Optional[float] = None) -> Optional[Task]:
+    def _first_ready(self, skip: Optional[set[str]] = None, now: Optional[float] = None,
+                     quiet: float = math.inf) -> Optional[Task]:
         """The task to run next: one that can run now, those measuring on the live conversation
         (deepest first) before those that take the context from it, and those that restore it
-        last; now: leave those whose retry after a disturbed run is not due (warm_up() runs them
-        anyway)."""
+        last; now: leave those whose retry after a disturbed run is not due, and those that want
+        a longer quiet than the seconds since the last generation (warm_up() runs them anyway)."""
         skip = skip or set()
         tasks = sorted((t for t in list(self._tasks.values()) if t.key not in skip and t.n_tries < self.MAX_TRIES
-                        and (now is None or t.not_before <= now)),
+                        and (now is None or t.not_before <= now) and t.quiet <= quiet),
                        key=lambda t: (t.restores, t.takes_context, -t.depth))
         return next((t for t in tasks if t.ready()), None)
 
@@ -189,7 +230,7 @@ class IdleWork:
                     return None
                 now = time.monotonic()
                 quiet = now - self._last_busy
-                task = self._first_ready(now=now) if quiet >= GRACE_SECONDS and not self._wanted() else None
+                task = self._first_ready(now=now, quiet=quiet) if not self._wanted() else None
                 if task is not None:
                     return task
                 # nothing can run yet: look again after the grace, when a retry is due, or a
@@ -201,6 +242,7 @@ class IdleWork:
         if quiet < GRACE_SECONDS:
             return max(0.05, GRACE_SECONDS - quiet)
         due = [t.not_before - now for t in self._tasks.values() if t.not_before > now]
+        due += [t.quiet - quiet for t in self._tasks.values() if t.quiet > quiet]
         return max(0.05, min([NOT_READY_POLL_SECONDS, *due]))
 
     def _loop(self) -> None:

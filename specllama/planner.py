@@ -24,7 +24,7 @@ from .calibrate import (acceptance_key, cached_batch_diffs, cached_reuse_diffs, 
 from .constraints import Constraint
 from .controller import Acceptance, Controller, Costs, FixedDraft, OnlineCosts, Policy, draft_can_pay
 from .fidelity import DiffTable, Level, ReuseTable, group_label, kv_group
-from .idle import IdleWork, Preempted, Task
+from .idle import IdleWork, Preempted, Task, in_pieces
 from .limits import AUTO_WIDTH, MAX_DRAFT, MAX_N_DRAFT, MAX_VERIFY
 from .prompt_cache import PromptCache
 from .proposers import DraftModelProposer, PromptLookupProposer, Proposer
@@ -66,9 +66,11 @@ class Planner:
     before a probe takes the context."""
 
     def __init__(self, target: Model, draft: Optional[Drafter], lookup: Optional[bool], stash: Callable[[], None],
-                 idle: IdleWork, draft_cache: Optional[PromptCache] = None):
+                 idle: IdleWork, draft_cache: Optional[PromptCache] = None,
+                 n_piece: Callable[[Any], int] = lambda runtime: 0):
         self.target, self.draft, self.lookup, self.idle = target, draft, lookup, idle
-        self._stash, self._draft_cache = stash, draft_cache
+        # the rows a model's prefill goes in pieces of where measured bitwise (slots.Pool.n_piece)
+        self._stash, self._draft_cache, self._n_piece = stash, draft_cache, n_piece
         self._conversation: list[int] = []  # the last generation's tokens, for the draft to catch up with
         self._costs: Optional[Costs] = None
         self.costs_record: Optional[dict] = None  # what the costs in use came from, with its evidence
@@ -245,13 +247,14 @@ class Planner:
             return
 
         def run(stop: Callable[[], bool]) -> None:
-            tokens = self._conversation
-            n_batch = cache.runtime.n_batch
-            for end in range(common_prefix(draft.cached, tokens) // n_batch * n_batch + n_batch, len(tokens) + n_batch,
-                             n_batch):
-                if stop():
-                    raise Preempted()
-                cache.prefill(tokens[:min(end, len(tokens))], canonical=False)
+            tokens, runtime = self._conversation, cache.runtime
+            n_batch = runtime.n_batch
+            with in_pieces(runtime, self._n_piece(runtime), stop):  # a request waits a piece, not a chunk
+                for end in range(common_prefix(draft.cached, tokens) // n_batch * n_batch + n_batch,
+                                 len(tokens) + n_batch, n_batch):
+                    if stop():
+                        raise Preempted()
+                    cache.prefill(tokens[:min(end, len(tokens))], canonical=False)
             if self._draft_kv_wanted(len(draft.cached)):
                 self._time_draft_kv(stop)
 

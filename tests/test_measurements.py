@@ -8,6 +8,7 @@ import subprocess
 import sys
 import time
 
+import numpy as np
 import pytest
 
 import specllama
@@ -154,6 +155,36 @@ def test_the_draft_s_step_is_timed_at_a_long_conversation_s_length_when_idle(mod
         assert "the draft catching up with the conversation" not in llm.idle.pending()
     with load(model_paths, idle_work=False) as llm:
         assert llm.planner.costs() is not None and llm.planner.costs().draft_kv == timed
+
+
+def test_the_draft_catches_up_in_pieces_a_request_stops_between(model_paths, home, quiet_process, monkeypatch):
+    """The draft's catch-up with a long conversation (idle work) goes in pieces where the draft's
+    pieces are measured bitwise, and a request that wants the models stops it between two pieces
+    (a 512-row chunk of the 0.5B draft is 2.4 s on 2 cores: a next turn arriving 1-3 s after an
+    answer waited up to 2 s for it): the pieces decoded stay, the next idle moment goes on from
+    there, and the draft ends holding what whole chunks compute, bit for bit."""
+    from specllama.concurrency_probes import measure_pieces
+    from specllama.runtime import core
+    from specllama.runtime.batches import N_PIECE
+
+    monkeypatch.setattr(core, "PIECE_SECONDS", 0.0)  # the smallest pieces, on any machine
+    with load(model_paths, idle_work=False) as llm:
+        draft = llm.draft
+        measure_pieces(llm.pool.pieces, (draft,))
+        assert llm.pool.n_piece(draft) == N_PIECE
+        llm.generate(LONG_STORY * 3 + "Continue the story.", max_tokens=4, n_draft=0)
+        conversation = list(llm.target.cached)
+        assert len(conversation) > draft.n_batch + N_PIECE and draft.cached == []
+        catch_up = llm.idle._tasks["draft catch-up"]
+        assert not llm.idle._run(catch_up, lambda: len(draft.cached) > 0)  # a request: stop once it moved
+        assert len(draft.cached) == N_PIECE and draft.cached == conversation[:N_PIECE]  # a piece, kept
+        assert llm.idle._run(catch_up, lambda: False) and draft.cached == conversation  # on from there
+        draft.decode([conversation[0]])
+        row = draft.logits(0).copy()
+        draft.discard(0)
+        draft.decode(conversation, aligned=True)  # whole chunks: nothing generates beside it
+        draft.decode([conversation[0]])
+        assert np.array_equal(draft.logits(0), row)
 
 
 @pytest.mark.children

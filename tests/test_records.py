@@ -149,6 +149,33 @@ def test_a_disturbed_measurement_waits_before_the_idle_thread_retries_it():
         idle.close()
 
 
+def test_work_with_one_long_call_waits_for_a_longer_quiet():
+    """The piece probe's whole chunk is one llama.cpp call a request cannot stop (4.2 s on the
+    F16 target here): the idle thread starts it only after PROBE_QUIET_SECONDS without a
+    generation, not at the grace that lets short work start between back-to-back requests;
+    warm_up() runs it at once."""
+    from specllama.concurrency_probes import PROBE_QUIET_SECONDS
+    from specllama.idle import GRACE_SECONDS, IdleWork, Task
+
+    runs: list[tuple[str, float]] = []
+    idle = IdleWork(threading.Lock(), lambda: False)
+    try:
+        idle.busy()  # a generation just ended
+        t0 = time.monotonic()
+        idle.add(Task("long", lambda stop: runs.append(("long", time.monotonic() - t0)), quiet=PROBE_QUIET_SECONDS))
+        idle.add(Task("short", lambda stop: runs.append(("short", time.monotonic() - t0))))
+        deadline = time.monotonic() + 60  # other objects' idle work in this process may run first
+        while len(runs) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert [name for name, _ in runs] == ["short", "long"], runs
+        assert GRACE_SECONDS <= runs[0][1] < PROBE_QUIET_SECONDS <= runs[1][1], runs
+        idle.busy()
+        idle.add(Task("long again", lambda stop: runs.append(("long again", 0.0)), quiet=PROBE_QUIET_SECONDS))
+        assert idle.warm_up() == ["long again"]  # asked for: now, whatever the quiet
+    finally:
+        idle.close()
+
+
 def test_the_cores_other_processes_use_are_read_per_cpu_without_idle_time():
     from specllama.cores import busy_jiffies
 

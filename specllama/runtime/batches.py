@@ -19,6 +19,12 @@ N_PIECE = 64
 PIECE_SECONDS = 0.5
 
 
+class Interrupted(Exception):
+    """Raised by a decode's between_chunks.pass_turn to end the decode between two of its batches
+    (idle work a request wants the models from): unlike any other failure, the batches decoded
+    before it stay in the cache, so the work goes on from there later."""
+
+
 def kv_length(n_cells: int, n_ctx: int) -> int:
     """The padded KV length llama.cpp attends over when n_cells cells are in use."""
     return min(n_ctx, max(KV_PAD, -(-n_cells // KV_PAD) * KV_PAD))

@@ -19,7 +19,7 @@ import numpy as np
 
 from ..errors import ContextFullError, DecodeError
 from . import session
-from .batches import PIECE_SECONDS, chunk_bounds, piece_end
+from .batches import PIECE_SECONDS, Interrupted, chunk_bounds, piece_end
 from .decoder import check_status, llama_decode
 from .ggml import MemoryUse
 from .handles import Batch, Handle
@@ -53,6 +53,25 @@ def _next_batch(runtime: "Runtime", start: int, chunk_end: int, n_logits: int, t
         beside.pass_turn()
     n_piece = runtime.n_piece if n_logits <= runtime.n_piece and beside.n_others() else 0
     return piece_end(start, chunk_end, int(PIECE_SECONDS / t_row) if t_row else 0, n_piece)
+
+
+def _decode_batches(runtime: "Runtime", tokens: Sequence[int], n_past: int, n_logits: int, aligned: bool) -> int:
+    """Runtime.decode's batches: tokens at n_past.. in chunks (pieces where _next_batch cuts
+    them), each appended to runtime.cached once decoded; the first logit row the last one kept."""
+    t_row, first = 0.0, 0  # seconds a row of the last piece took
+    for start, chunk_end in chunk_bounds(n_past, len(tokens), runtime.n_batch, aligned):
+        while start < chunk_end:
+            end, t0 = _next_batch(runtime, start, chunk_end, n_logits, t_row), time.perf_counter()
+            # logits are only kept for the final piece; all requested rows must be in it
+            runtime._batch.fill(tokens[start:end], n_past + start, max(0, n_logits - (len(tokens) - end)))
+            runtime._pass(n_past + start, end - start)
+            t_row, first = (time.perf_counter() - t0) / (end - start), end - start - n_logits
+            runtime.cached.extend(tokens[start:end])
+            runtime._memory.after_decode(n_past + start, n_past + end)
+            if runtime.mtp_head is not None:
+                runtime.mtp_head.follow(runtime.cached, n_past + start)
+            start = end
+    return first
 
 
 class SlotUnavailable(Exception):
@@ -189,7 +208,8 @@ class Runtime(Vocab, TreeDecoding):
         n_batch (position 0 being the first), as a prefill from an empty cache does.
         Raises ContextFullError (nothing appended) when they do not fit; on any failure or
         interruption the cache is rolled back to where it was (a recurrent memory with no
-        checkpoint there: to an earlier point, as discard() does).
+        checkpoint there: to an earlier point, as discard() does), except Interrupted (raised by
+        between_chunks: idle work stopped between two batches), after which the batches decoded stay.
         """
         self._settle()
         if not tokens:
@@ -206,23 +226,11 @@ class Runtime(Vocab, TreeDecoding):
         self._rows.clear()
         self._memory.before_decode(n_past, len(tokens))
         try:
-            t_row = 0.0  # seconds a row of the last piece took
-            for start, chunk_end in chunk_bounds(n_past, len(tokens), self.n_batch, aligned):
-                while start < chunk_end:
-                    end, t0 = _next_batch(self, start, chunk_end, n_logits, t_row), time.perf_counter()
-                    # logits are only kept for the final piece; all requested rows must be in it
-                    self._batch.fill(tokens[start:end], n_past + start, max(0, n_logits - (len(tokens) - end)))
-                    self._pass(n_past + start, end - start)
-                    t_row, first = (time.perf_counter() - t0) / (end - start), end - start - n_logits
-                    self.cached.extend(tokens[start:end])
-                    self._memory.after_decode(n_past + start, n_past + end)
-                    if self.mtp_head is not None:
-                        self.mtp_head.follow(self.cached, n_past + start)
-                    start = end
-            self._rows.n, self._rows.first = n_logits, first
-        except BaseException:
+            self._rows.n, self._rows.first = n_logits, _decode_batches(self, tokens, n_past, n_logits, aligned)
+        except BaseException as e:
             self._rows.clear()
-            self.discard(n_past)
+            if not isinstance(e, Interrupted):  # stopped between two batches: those decoded stay
+                self.discard(n_past)
             raise
 
     def _pass(self, pos: int, n_tokens: int) -> None:
