@@ -15,7 +15,11 @@ tens of seconds for any process (three llama_cpp.Llama objects interleaved rose 
 together, 10.0-12.4 tok/s), so one side's whole conversation after the other's compared
 turns minutes apart. specllama starts from an empty calibration folder, so its first-use measurements are
 inside these figures; each turn reports what they cost.
-Targets: the Qwen2.5-Coder 1.5B in F16 and Q4_K_M, drafted by the 0.5B Q4_K_M.
+Targets: the Qwen2.5-Coder 1.5B in F16 and Q4_K_M, drafted by the 0.5B Q4_K_M. Each turn says
+how many tokens each side wrote (theirs: their text tokenized again) and whether the texts
+differ (at the rounding level a near-tie may go the other way, and the turns then differ in
+length). A turn's ratio on this VM scatters by about ±15% even where both sides decode plainly
+(the first conversation's turns 2-4): compare the turns 2-4 sums, or several runs.
 """
 
 from __future__ import annotations
@@ -71,7 +75,7 @@ def side_by_side(asks: list) -> list[list[dict]]:
         for side in order:
             messages[side] = messages[side] + [{"role": "user", "content": question}]
             text, ttft, seconds, extra = asks[side](messages[side])
-            rows[side].append({"ttft": ttft, "seconds": seconds, **extra})
+            rows[side].append({"ttft": ttft, "seconds": seconds, "text": text, **extra})
             messages[side] = messages[side] + [{"role": "assistant", "content": text}]
     return rows
 
@@ -105,7 +109,8 @@ def ask_llama_cpp(llama):
                 if ttft is None:
                     ttft = time.perf_counter() - t0
                 pieces.append(content)
-        return "".join(pieces), ttft, time.perf_counter() - t0, {}
+        seconds, text = time.perf_counter() - t0, "".join(pieces)
+        return text, ttft, seconds, {"n_generated": len(llama.tokenize(text.encode(), add_bos=False, special=True))}
     return ask
 
 
@@ -113,7 +118,8 @@ def print_turns(label: str, ours: list[dict], theirs: list[dict]) -> None:
     print(f"  {label}")
     for i, (o, t) in enumerate(zip(ours, theirs), 1):
         print(f"    turn {i}: first token {o['ttft']:.2f} vs {t['ttft']:.2f} ({o['ttft'] / t['ttft']:.2f}x), "
-              f"turn {o['seconds']:.1f} vs {t['seconds']:.1f} ({o['seconds'] / t['seconds']:.2f}x); "
+              f"turn {o['seconds']:.1f} vs {t['seconds']:.1f} ({o['seconds'] / t['seconds']:.2f}x), "
+              f"{o['n_generated']} vs {t['n_generated']} tokens{'' if o['text'] == t['text'] else ' (texts differ)'}; "
               f"prompt {o['n_prompt']} tokens, {o['n_cached']} cached (draft {o['n_draft_cached']}), "
               f"prefill {o['prefill_s']:.2f}s, draft prefill {o['draft_prefill_s']:.2f}s, "
               f"acceptance {o['acceptance']:.0%}, near-ties {o['near_ties']}")
