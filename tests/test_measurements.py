@@ -162,16 +162,17 @@ def test_the_draft_catches_up_in_pieces_a_request_stops_between(model_paths, hom
     pieces are measured bitwise, and a request that wants the models stops it between two pieces
     (a 512-row chunk of the 0.5B draft is 2.4 s on 2 cores: a next turn arriving 1-3 s after an
     answer waited up to 2 s for it): the pieces decoded stay, the next idle moment goes on from
-    there, and the draft ends holding what whole chunks compute, bit for bit."""
-    from specllama.concurrency_probes import measure_pieces
+    there, and the draft ends holding what whole chunks compute, bit for bit. With one slot too:
+    only the draft's pieces are probed then (the target's matter beside other requests)."""
     from specllama.runtime import core
     from specllama.runtime.batches import N_PIECE
 
     monkeypatch.setattr(core, "PIECE_SECONDS", 0.0)  # the smallest pieces, on any machine
-    with load(model_paths, idle_work=False) as llm:
+    with load(model_paths, idle_work=False, n_parallel=1) as llm:  # one slot: the draft's pieces alone matter
         draft = llm.draft
-        measure_pieces(llm.pool.pieces, (draft,))
-        assert llm.pool.n_piece(draft) == N_PIECE
+        probes = [key for key in llm.idle._tasks if key.startswith("pieces|")]
+        assert probes == [f"pieces|{draft.identity}"], probes
+        assert llm.idle._run(llm.idle._tasks[probes[0]], lambda: False) and llm.pool.n_piece(draft) == N_PIECE
         llm.generate(LONG_STORY * 3 + "Continue the story.", max_tokens=4, n_draft=0)
         conversation = list(llm.target.cached)
         assert len(conversation) > draft.n_batch + N_PIECE and draft.cached == []
