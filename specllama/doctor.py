@@ -218,7 +218,9 @@ def _describe_pieces(role: str, p: dict) -> str:
         return f"{head} whole chunks until pieces are measured (while idle)"
     if p["n_piece"]:
         return (f"{head} in pieces of {p['n_piece']}+ rows, bitwise the whole chunks ({p['measured']}), "
-                "so streams beside them go on between pieces")
+                "so streams beside them go on between pieces"
+                + ("; its catch-up while idle goes in pieces too, and a request stops it between two" if role == "draft"
+                   else ""))
     return f"{head} whole chunks (pieces differ by {p['diff']:.3g} logits, {p['measured']})"
 
 
