@@ -171,9 +171,10 @@ def measure_pieces(pieces: dict[str, int], runtimes: tuple[Any, ...], fresh: boo
 
 def plan_pieces(pieces: dict[str, int], runtimes: tuple[Any, ...], idle: IdleWork, stash: Callable[[], None],
                 after: Callable[[], None]) -> None:
-    """Fill pieces (identity: the rows a model's prefill beside others goes in pieces of) from the
-    cache, and queue the probe while idle for models not measured yet (_eligible ones): until it
-    runs, their prefills stay whole. after(): once a probe ran."""
+    """Fill pieces (identity: the rows a model's prefill beside others, and the draft's catch-up
+    while idle, go in pieces of: planner.queue_catch_up) from the cache, and queue the probe while
+    idle for models not measured yet (_eligible ones): until it runs, their prefills stay whole.
+    after(): once a probe ran."""
     for runtime in filter(_eligible, runtimes):
         diff = cached_piece_diff(runtime)
         if diff is not None:
