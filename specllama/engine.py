@@ -89,8 +89,8 @@ class SpecLlama(LlamaApi, BatchApi):
                              n_threads=target.n_threads)
         self.planner = Planner(target, draft, lookup, self._stash, self.idle, self.draft_cache, self.pool.n_piece)
         self.batch_diffs, self.reuse_diffs = self.planner.batch_diffs, self.planner.reuse_diffs
-        in_pieces = (target, draft) if slots.n_max > 1 else (draft,)  # prompts beside others; the draft's catch-up
-        plan_pieces(self.pool.pieces, in_pieces, self.idle, self._stash, self.planner.queue_catch_up)
+        pieced = (target, draft) if slots.n_max > 1 else (draft,)  # prompts beside others; the draft's catch-up
+        plan_pieces(self.pool.pieces, pieced, self.idle, self._stash, self.planner.queue_catch_up)
         if self.speculates or batch_requests:
             with self._models, PROCESS.busy():
                 self.planner.measure_short((self.level,), batching=bool(batch_requests))

@@ -48,9 +48,8 @@ class Stream:
     Stepping and closing it are serialized, so close() from another thread waits for the step
     in progress rather than meeting a running generator."""
 
-    def __init__(self, chunks: Generator[Chunk, None, None], outcome: Optional[Outcome] = None):
-        self._chunks = chunks
-        self._outcome = Outcome() if outcome is None else outcome
+    def __init__(self, chunks: Generator[Chunk, None, None], outcome: Outcome):
+        self._chunks, self._outcome = chunks, outcome  # outcome: what chunks' generation writes
         self._step = threading.Lock()
         self.started = False  # stepped at least once (a generation that never started holds nothing)
 
