@@ -153,7 +153,8 @@ def test_the_draft_s_step_is_timed_at_a_long_conversation_s_length_when_idle(mod
         assert llm.planner.costs().draft_kv == timed
         llm.generate(prompt, max_tokens=8, n_draft=0)  # the same length again: nothing more to time
         assert "the draft catching up with the conversation" not in llm.idle.pending()
-    with load(model_paths, idle_work=False) as llm:
+    assert records.draft_kv(records.read(key)) == timed  # kept for the next load
+    with load_taking_the_cached_curve(lambda: load(model_paths, idle_work=False)) as llm:
         assert llm.planner.costs() is not None and llm.planner.costs().draft_kv == timed
 
 
