@@ -24,7 +24,8 @@ from .llama_api import LlamaApi
 from .messages import normalize as normalize_messages
 from .options import (GenerateOptions, Prompt, check_cache_mb, check_n_draft, check_n_parallel, check_tree,
                       prompt_tokens)
-from .planner import Planner, Request
+from .planner import Planner
+from .request import Request
 from .prompt_cache import Budget, PromptCache
 from .runtime.ggml import resident_bytes
 from .runtime.protocols import Drafter, Model
@@ -241,7 +242,7 @@ class SpecLlama(LlamaApi, BatchApi):
         return Request(prompt, sampling, max_tokens, o.seed, tuple(o.stop or ()),
                        self.n_draft if o.n_draft is None else check_n_draft(o.n_draft),
                        self.level if o.exact is None else parse_level(o.exact), constraint, o.logprobs,
-                       self.tree if o.tree is None else self._check_tree(o.tree))
+                       self.tree if o.tree is None else self._check_tree(o.tree), o.cache_scope)
 
     def _check_tree(self, tree: Any) -> Union[int, str]:
         tree = check_tree(tree)
@@ -273,7 +274,7 @@ class SpecLlama(LlamaApi, BatchApi):
         texts: list[str] = []
         finish = "cancelled"
         lane = self.sharing is not None and self.sharing.admits(req.level, req.seeded)
-        with self.pool.generation(req.prompt, self._check_open, lane) as slot:
+        with self.pool.generation(req.prompt, self._check_open, lane, req.cache_scope) as slot:
             proposer, policy = self.planner.plan(req, slot.draft_cache, slot.draft)
             t_start = time.perf_counter()
             stats = Stats(n_prompt=len(req.prompt), n_draft_max=policy.limit if proposer is not None else 0,
@@ -292,7 +293,7 @@ class SpecLlama(LlamaApi, BatchApi):
                 # measured difference of reuse (an assumed one until measured) into the
                 # near-tie tolerance
                 with self._models:
-                    reuse = slot.target_cache.prefill(req.prompt, canonical=req.level.bound == 0 or req.seeded)
+                    reuse = slot.target_cache.prefill(req.prompt, req.canonical, req.cache_scope)
                 stats.t_prefill = time.perf_counter() - t_start
                 stats.n_prompt_cached, stats.prompt_cache, stats.prompt_cache_exact = \
                     reuse.n_reused, reuse.source, reuse.exact
@@ -319,7 +320,7 @@ class SpecLlama(LlamaApi, BatchApi):
                 outcome.result = Result("".join(texts), tokens, finish, stats, matcher.matched)
                 self.planner.learned(policy)
                 if slot.index == 0 and not slot.lane:  # the planner measures on the first slot's contexts
-                    self.planner.want_catch_up()
+                    self.planner.want_catch_up(req.cache_scope)
 
     def _emit(self, steps: Iterator[Any], req: Request, outcome: Outcome, tokens: list[int], texts: list[str],
               detokenizer: Detokenizer, matcher: StopMatcher) -> Generator[Chunk, None, str]:

@@ -35,6 +35,9 @@ class GenerateOptions:
         repeat_penalty, frequency_penalty, presence_penalty, penalty_last_n: llama.cpp's
             repetition penalties over the last penalty_last_n generated tokens.
         logprobs: None, or alternatives per token (0..20) to report with each token's logprob.
+        cache_scope: prompt-cache states are reused only by generations of the same scope (the
+            server gives each API key its own, so no client's cached prompt speeds up, or shows
+            in the cached counts of, another's); "" for the one shared scope.
     """
 
     max_tokens: Optional[int] = 256
@@ -55,6 +58,7 @@ class GenerateOptions:
     presence_penalty: float = 0.0
     penalty_last_n: int = 64
     logprobs: Optional[int] = None
+    cache_scope: str = ""
 
     def __post_init__(self) -> None:
         if self.max_tokens is not None and (isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int)
@@ -70,6 +74,9 @@ class GenerateOptions:
         if self.logprobs is not None and (isinstance(self.logprobs, bool) or not isinstance(self.logprobs, int)
                                           or not 0 <= self.logprobs <= 20):
             raise InvalidParameterError("logprobs", self.logprobs, "None, or 0..20 alternatives per token")
+        if not isinstance(self.cache_scope, str):
+            raise InvalidParameterError("cache_scope", self.cache_scope, 'a string naming whose prompts may be reused '
+                                        '("" for all)')
         if self.n_draft is not None:
             check_n_draft(self.n_draft)
         if self.tree is not None:

@@ -14,14 +14,13 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from functools import partial
-from typing import Any, Optional, Union
+from typing import Any, Optional
 
 from . import records
 from .calibrate import (acceptance_key, cached_batch_diffs, cached_reuse_diffs, costs_key, fidelity_group,
                         measure_batch_diffs, measure_costs, measure_reuse_diffs, quick_costs, time_draft_step)
-from .constraints import Constraint
 from .controller import Acceptance, Controller, Costs, FixedDraft, OnlineCosts, Policy, draft_can_pay
 from .fidelity import DiffTable, Level, ReuseTable, group_label, kv_group
 from .idle import IdleWork, Preempted, Task, in_pieces
@@ -31,33 +30,12 @@ from .proposers import DraftModelProposer, PromptLookupProposer, Proposer
 from .runtime.batches import KV_PAD, kv_length
 from .runtime.protocols import Drafter, Model
 from .runtime.session import common_prefix
-from .sampling import SamplingSettings
+from .request import Request
 
 log = logging.getLogger("specllama")
 
 CATCH_UP_MIN = 64  # a draft this far behind the target's live sequence catches up while idle
 DRAFT_KV_MIN = 512  # a conversation this long times the draft's step at its length while idle
-
-
-@dataclass(frozen=True)
-class Request:
-    """One generation, checked: the prompt and the options resolved against load()'s."""
-
-    prompt: list[int]
-    sampling: SamplingSettings
-    max_tokens: int
-    seed: Optional[int]
-    stop: tuple[str, ...]
-    n_draft: Union[int, str]
-    level: Level
-    constraint: Optional[Constraint] = None  # this request's own: its state follows the text
-    n_logprobs: Optional[int] = None
-    tree: Union[int, str] = "auto"
-
-    @property
-    def seeded(self) -> bool:
-        """Sampling with a seed: the same seed must give the same text, whatever ran before."""
-        return self.seed is not None and not self.sampling.greedy
 
 
 class Planner:
@@ -72,6 +50,7 @@ class Planner:
         # the rows a model's prefill goes in pieces of where measured bitwise (slots.Pool.n_piece)
         self._stash, self._draft_cache, self._n_piece = stash, draft_cache, n_piece
         self._conversation: list[int] = []  # the last generation's tokens, for the draft to catch up with
+        self._conversation_scope = ""  # its prompt-cache scope
         self._costs: Optional[Costs] = None
         self.costs_record: Optional[dict] = None  # what the costs in use came from, with its evidence
         self._online_costs: Optional[OnlineCosts] = None
@@ -226,7 +205,7 @@ class Planner:
         self.idle.add(Task(f"reuse|{group}", run, lambda: where() is not None,
                            what=f"the reuse difference at {group_label(group)}", depth=group))
 
-    def want_catch_up(self) -> None:
+    def want_catch_up(self, scope: str = "") -> None:
         """After a generation: the reuse difference where the conversation now ends is queued (the
         next turn reuses it all once it is known), and a draft far behind the target's
         conversation catches up while idle, so the next turn drafts from its first token; there
@@ -235,7 +214,7 @@ class Planner:
             self.reuse_diffs.get(len(self.target.cached) - 1)
         # the conversation as it ends now: a probe queued before the task may take the target's
         # context first (its state kept in RAM), and the draft then caught up with the probe's
-        self._conversation = list(self.target.cached)
+        self._conversation, self._conversation_scope = list(self.target.cached), scope
         self.queue_catch_up()
 
     def queue_catch_up(self) -> None:
@@ -247,14 +226,14 @@ class Planner:
             return
 
         def run(stop: Callable[[], bool]) -> None:
-            tokens, runtime = self._conversation, cache.runtime
+            tokens, scope, runtime = self._conversation, self._conversation_scope, cache.runtime
             n_batch = runtime.n_batch
             with in_pieces(runtime, self._n_piece(runtime), stop):  # a request waits a piece, not a chunk
                 for end in range(common_prefix(draft.cached, tokens) // n_batch * n_batch + n_batch,
                                  len(tokens) + n_batch, n_batch):
                     if stop():
                         raise Preempted()
-                    cache.prefill(tokens[:min(end, len(tokens))], canonical=False)
+                    cache.prefill(tokens[:min(end, len(tokens))], canonical=False, scope=scope)
             if self._draft_kv_wanted(len(draft.cached)):
                 self._time_draft_kv(stop)
 
@@ -328,8 +307,8 @@ class Planner:
         policy = self._policy(req, _working_clock(draft))
         if not (policy.has_draft or policy.lookup):
             return forced, FixedDraft(0)
-        drafting = DraftModelProposer(draft, prompt_cache, canonical=req.seeded) \
-            if policy.has_draft and draft is not None else None
+        drafting = DraftModelProposer(draft, prompt_cache, canonical=req.seeded, scope=req.cache_scope) \
+            if policy.has_draft and draft is not None and _reads(draft, req.prompt) else None
         return Proposer(drafting, PromptLookupProposer() if policy.lookup or drafting is None else None), policy
 
     def _policy(self, req: Request, clock: Callable[[], float] = time.perf_counter) -> Policy:
@@ -383,3 +362,13 @@ def _working_clock(draft: Optional[Drafter]) -> Callable[[], float]:
     if draft is None:
         return time.perf_counter
     return lambda: time.perf_counter() - draft.t_waited_total
+
+
+def _reads(draft: Drafter, prompt: list[int]) -> bool:
+    """Whether the draft model can read the prompt: ids past its vocabulary (a 7B target's
+    padding ids beside a 0.5B draft, sent as token ids) would fail in its decode, so such a
+    request drafts with prompt lookup alone."""
+    if max(prompt) < draft.n_vocab:
+        return True
+    log.info("the prompt holds token ids past %s's %d; this request drafts without it", draft.name, draft.n_vocab)
+    return False

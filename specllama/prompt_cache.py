@@ -105,36 +105,44 @@ class PromptCache:
         self.n_reused = 0  # tokens reused, all prefills together
         self.n_saved = 0
         self.n_restored = 0
+        # whose prompt the live sequence holds: a prefill of another scope reuses none of it,
+        # nor any saved state of another scope
+        self.scope = ""
 
     @property
     def saved(self) -> list[SavedState]:
         return self.budget.of(self.owner)
 
-    def prefill(self, tokens: Sequence[int], canonical: bool) -> Reuse:
+    def prefill(self, tokens: Sequence[int], canonical: bool, scope: str = "") -> Reuse:
         """Make the runtime hold tokens, with logits for the last one, reusing what it can.
 
         Args:
             tokens: the prompt (at least one token).
             canonical: reuse only what a fresh prefill computes bit for bit.
+            scope: reuse only states prefilled in this scope (GenerateOptions.cache_scope).
         """
         rt, chunk = self.runtime, self.runtime.n_batch
         best: Optional[SavedState] = None
-        n_best, exact = reusable(rt.cached, rt.n_canonical, rt.prefill_row, tokens, canonical, chunk)
+        n_live = min(common_prefix(rt.cached, tokens), len(tokens) - 1) if scope == self.scope else 0
+        n_best, exact = reusable(rt.cached, rt.n_canonical, rt.prefill_row, tokens, canonical, chunk) \
+            if scope == self.scope else (0, True)
         n_reach = rt.n_reachable(n_best)
         if n_reach < n_best:  # a recurrent memory goes back only to its checkpoint, or not at all
-            n_all = min(common_prefix(rt.cached, tokens), len(tokens) - 1)
+            n_all = n_live
             if not canonical and rt.n_reachable(n_all) == n_all:
                 n_best, exact = n_all, False  # all it holds of the prompt, as computed
             else:  # exact reuse ends on a chunk boundary, so the rest is prefilled as fresh
                 n_best = n_reach if not exact or n_reach % chunk == 0 else 0
         for state in self.saved:
+            if state.scope != scope:
+                continue
             n, state_exact = reusable(state.tokens, state.n_canonical, state.prefill_row, tokens, canonical, chunk)
             if rt.memory != "attention" and n < len(state.tokens):
                 n = 0  # a saved recurrent state holds its last position only
             if n > n_best:
                 best, n_best, exact = state, n, state_exact
         # what the live sequence would lose; worth keeping for a conversation that comes back
-        if len(rt.cached) - min(common_prefix(rt.cached, tokens), len(tokens) - 1) >= MIN_SAVE:
+        if len(rt.cached) - n_live >= MIN_SAVE:
             self._save_live()
         source = "live" if n_best else "none"
         if best is not None:
@@ -146,6 +154,7 @@ class PromptCache:
             except DecodeError as e:  # the context is empty now: prefill from scratch
                 log.warning("%s; prefilling the prompt instead", e)
                 n_best, exact, source = 0, True, "none"
+        self.scope = scope  # before the prefill: a failed one leaves no other scope's prompt reusable
         n_best = rt.prefill(tokens, n_best)
         self.n_hits += n_best > 0
         self.n_misses += n_best == 0
@@ -161,11 +170,13 @@ class PromptCache:
         rt = self.runtime
         # states this one extends hold nothing it does not
         for state in self.saved:
-            if rt.cached[:len(state.tokens)] == state.tokens and state.n_canonical <= rt.n_canonical:
+            if state.scope == self.scope and rt.cached[:len(state.tokens)] == state.tokens \
+                    and state.n_canonical <= rt.n_canonical:
                 self.budget.remove(state)
         if self.budget.n_bytes <= 0:
             return
         state = rt.save_state()
+        state.scope = self.scope
         if self.budget.add(self.owner, state):
             self.n_saved += 1
         else:

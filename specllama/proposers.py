@@ -89,8 +89,9 @@ class DraftModelProposer:
     own decodes, the prompt's included: nothing to prefill.
     """
 
-    def __init__(self, draft: Drafter, cache: Optional[PromptCache] = None, canonical: bool = False):
-        self.draft, self.cache = draft, cache
+    def __init__(self, draft: Drafter, cache: Optional[PromptCache] = None, canonical: bool = False,
+                 scope: str = ""):
+        self.draft, self.cache, self.scope = draft, cache, scope
         # a seeded sampled generation needs q independent of what ran before: the draft then
         # reuses only what a fresh prefill computes bit for bit, like the target
         self.canonical = canonical
@@ -125,7 +126,7 @@ class DraftModelProposer:
             self.draft.truncate(0)
             self.draft.sync(tokens)
         else:
-            self.n_prompt_cached = self.cache.prefill(tokens, self.canonical).n_reused
+            self.n_prompt_cached = self.cache.prefill(tokens, self.canonical, self.scope).n_reused
         self.t_prefill = time.perf_counter() - t0
 
     def propose(self, tokens: Sequence[int], n_draft: int, gen: Generation, shape: Optional[TreeShape] = None,

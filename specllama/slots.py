@@ -124,14 +124,14 @@ class Slot:
     n_bytes: int = 0  # what making it took (RAM); 0 for the first slot
     lane: bool = False  # its target is a lane of the shared context (rows share passes)
 
-    def drops(self, prompt: list[int]) -> bool:
+    def drops(self, prompt: list[int], scope: str = "") -> bool:
         """Whether prefilling prompt here drops another conversation: more of the live sequence
         than the prompt keeps of it, and too little for the prompt cache to save (under
         MIN_SAVE: a chat UI's title and its answer). A conversation's next turn, or the same
         prompt asked again, keeps more than it drops unless the prompt is shorter than the answer
         after it; then the new lane prefills only that short prompt, and the answer stays live."""
         cached = self.target.cached
-        n_keep = min(common_prefix(cached, prompt), len(prompt) - 1)
+        n_keep = min(common_prefix(cached, prompt), len(prompt) - 1) if self.target_cache.scope == scope else 0
         return n_keep < len(cached) - n_keep < MIN_SAVE
 
     def between_chunks(self, beside: Optional[Beside], n_piece: Callable[[Any], int] = lambda runtime: 0) -> None:
@@ -171,10 +171,12 @@ class Slots:
     def n_busy(self) -> int:
         return sum(slot.owner is not None for slot in self.all)
 
-    def free_for(self, prompt: list[int]) -> Optional[Slot]:
-        """The free slot whose live sequence shares the most with prompt (None: all busy)."""
+    def free_for(self, prompt: list[int], scope: str = "") -> Optional[Slot]:
+        """The free slot whose live sequence shares the most with prompt, of those in the
+        prompt's cache scope (None: all busy)."""
         free = [slot for slot in self.all if slot.owner is None]
-        return max(free, key=lambda slot: common_prefix(slot.target.cached, prompt), default=None)
+        return max(free, key=lambda slot: common_prefix(slot.target.cached, prompt)
+                   if slot.target_cache.scope == scope else 0, default=None)
 
     def ram_short(self) -> str:
         """Why the RAM free now is too little for one more slot ("" where it is enough)."""
@@ -265,7 +267,8 @@ class Pool:
         self.turn.pass_turn()
 
     @contextmanager
-    def generation(self, prompt: list[int], check_open: Callable[[], None], lane: bool = False) -> Iterator[Slot]:
+    def generation(self, prompt: list[int], check_open: Callable[[], None], lane: bool = False,
+                   scope: str = "") -> Iterator[Slot]:
         """A slot for a generation, for as long as it runs (a lane where lane and the
         lanes exist): the free one sharing the most with prompt, a new one while under n_max, or
         the next to be freed by another thread. BusyError while exclusive(), or when this
@@ -273,12 +276,12 @@ class Pool:
         me = threading.get_ident()
         group = self.lanes if lane and self.lanes is not None else self.slots
         with self._cv:
-            slot = self._take(group, prompt, me)
+            slot = self._take(group, prompt, me, scope)
             self.n_generating += 1
         try:
             with PROCESS.busy():  # idle work anywhere in the process ends first
                 while slot is None:  # a new slot, made in the models' turn
-                    slot = self._grow(group, me, prompt, check_open)
+                    slot = self._grow(group, me, prompt, check_open, scope)
                 check_open()  # closed while it waited to start
                 slot.between_chunks(self, self.n_piece)
                 yield slot
@@ -291,17 +294,17 @@ class Pool:
                 self._cv.notify_all()
             self._idle_busy()
 
-    def _take(self, slots: Slots, prompt: list[int], me: int) -> Optional[Slot]:
+    def _take(self, slots: Slots, prompt: list[int], me: int, scope: str) -> Optional[Slot]:
         """(the condition held) A free slot now, or None with a new one reserved; waits for
         one that another thread frees."""
         while True:
             if self._exclusive:
                 raise BusyError("this SpecLlama's models are in exclusive use (a calibration or doctor); "
                                 "generate once it ends")
-            slot = slots.free_for(prompt)
+            slot = slots.free_for(prompt, scope)
             # a lane costs no memory: another is made rather than drop a short conversation the
             # prompt cache would not save (the chat UI's title, asked again with its next turn)
-            if (slot is None or slot.lane and slot.drops(prompt)) and self._can_grow(slots):
+            if (slot is None or slot.lane and slot.drops(prompt, scope)) and self._can_grow(slots):
                 self._n_growing += 1
                 return None
             if slot is not None:
@@ -326,7 +329,8 @@ class Pool:
             log.warning("%s: %s; serving at most %d requests at once", slots.first.target.name, short, slots.n_max)
         return not short
 
-    def _grow(self, slots: Slots, me: int, prompt: list[int], check_open: Callable[[], None]) -> Optional[Slot]:
+    def _grow(self, slots: Slots, me: int, prompt: list[int], check_open: Callable[[], None],
+              scope: str) -> Optional[Slot]:
         """A new slot owned by me; where llama.cpp cannot make one, no more are tried and the
         next free slot is waited for (None: take again)."""
         new: Optional[Slot] = None
@@ -346,7 +350,7 @@ class Pool:
         if new is not None:
             return new
         with self._cv:
-            return self._take(slots, prompt, me)
+            return self._take(slots, prompt, me, scope)
 
     @contextmanager
     def exclusive(self) -> Iterator[None]:

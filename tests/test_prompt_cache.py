@@ -253,3 +253,24 @@ def test_a_state_that_cannot_be_restored_falls_back_to_a_prefill(pair, plain):
     got = pair.generate(a, max_tokens=8)
     assert got.stats.prompt_cache == "none" and got.stats.n_prompt_cached == 0
     assert got.tokens == plain.generate(a, max_tokens=8).tokens
+
+
+def test_a_scope_reuses_only_its_own_prompts_and_changes_no_output(tiny_paths):
+    """cache_scope: another scope's live sequence and saved states are never reused (0 cached
+    tokens reported); its own come back; the text is plain decoding's either way (bitwise)."""
+    prompt = "def add(a, b):\n    return a + b\n" * 12
+    other = "class Stack:\n    def push(self, x):\n        pass\n" * 12
+    with specllama.load(tiny_paths["attention-draft"], exact="bitwise", **SETTINGS) as llm:
+        fresh = llm.generate(prompt, max_tokens=16, cache_scope="alice")
+        assert fresh.stats.n_prompt_cached == 0
+        bob = llm.generate(prompt, max_tokens=16, cache_scope="bob")  # alice's prompt is live: not for bob
+        assert bob.stats.n_prompt_cached == 0 and bob.tokens == fresh.tokens
+        llm.generate(other, max_tokens=16, cache_scope="carol")  # both saved, each under its scope
+        again = llm.generate(prompt, max_tokens=16, cache_scope="alice")
+        assert again.stats.n_prompt_cached > 0 and again.stats.prompt_cache == "saved"
+        assert again.tokens == fresh.tokens
+        shared = llm.generate(prompt, max_tokens=16)  # the default scope "" is a scope of its own
+        assert shared.stats.n_prompt_cached == 0 and shared.tokens == fresh.tokens
+        with pytest.raises(specllama.InvalidParameterError, match="cache_scope"):
+            llm.generate(prompt, max_tokens=4, cache_scope=3)
+        assert llm.generate(prompt, max_tokens=16).tokens == fresh.tokens  # and it keeps working

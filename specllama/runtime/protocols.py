@@ -28,6 +28,7 @@ class Drafter(Protocol):
     name: str
     identity: str
     n_ctx: int
+    n_vocab: int  # token ids 0..n_vocab-1 it can read (within 128 of the target's: compat.py)
     memory_use: Optional[MemoryUse]
     follows_target: bool
     t_waited_total: float  # seconds its decodes spent on other lanes: waiting, their rows' share of shared passes

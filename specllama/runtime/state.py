@@ -34,6 +34,7 @@ class SavedState:
     n_canonical: int
     data: bytearray
     prefill_row: Optional[PrefillRow] = None
+    scope: str = ""  # whose prompt it holds (prompt_cache.PromptCache.scope)
 
     @property
     def n_bytes(self) -> int:
