@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import signal
 from typing import Any, Optional
 
@@ -15,8 +16,22 @@ from .options import ModelChoice, model_options
 @model_options
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on (loopback only by default).")
 @click.option("--port", type=int, default=8080, show_default=True)
-@click.option("--api-key", envvar="SPECLLAMA_API_KEY", default=None,
-              help="Require 'Authorization: Bearer KEY' (or 'x-api-key: KEY') on every endpoint but /health.")
+@click.option("--api-key", "api_keys", envvar="SPECLLAMA_API_KEY", multiple=True,
+              help="Require 'Authorization: Bearer KEY' (or 'x-api-key: KEY') on every endpoint but /health and /. "
+                   "Repeat it for several clients (SPECLLAMA_API_KEY: keys separated by spaces); an empty key is "
+                   "refused.")
+@click.option("--allowed-hosts", default=None, envvar="SPECLLAMA_ALLOWED_HOSTS",
+              help="Comma-separated Host header names served, or * for any. Default: any with --api-key or a "
+                   "non-loopback --host; otherwise only 127.0.0.1, localhost and [::1] (a web page that rebinds "
+                   "its name to this machine cannot drive the server).")
+@click.option("--cache-scope", type=click.Choice(["key", "shared"]), default=None,
+              help="Whose requests may reuse a cached prompt: 'key' (the default with --api-key) only requests "
+                   "with the same key, so one client's cached prompt never shows in another's cached_tokens; "
+                   "'shared': every request.")
+@click.option("--limit", "limits", multiple=True, metavar="NAME=VALUE",
+              help="Change one of the server's limits (repeatable): body_mb, prompts, choices, stop, stop_chars, "
+                   "messages, tools, input_extra, grammar_kb, queue, send_timeout, backlog. Defaults and meanings: "
+                   "docs/server.md, 'Limits and security'.")
 @click.option("--model-id", default=None, help="Name to serve the model under (default: the target file's stem).")
 @click.option("--strict-model", is_flag=True,
               help="Answer 404 to requests naming another model (default: serve this one whatever the name).")
@@ -30,28 +45,46 @@ from .options import ModelChoice, model_options
                    "the difference a lane's rows carry (measured at the first load) is within the --exact "
                    "level's bound and memory allows; otherwise, and with --no-batch-requests, each request "
                    "decodes in contexts of its own (made when first needed) and their rounds take turns.")
-def serve_cmd(choice: ModelChoice, host: str, port: int, api_key: Optional[str], model_id: Optional[str],
-              strict_model: bool, cors_origins: str, n_parallel: int, batch_requests: Optional[bool]) -> None:
+def serve_cmd(choice: ModelChoice, host: str, port: int, api_keys: tuple[str, ...], allowed_hosts: Optional[str],
+              cache_scope: Optional[str], limits: tuple[str, ...], model_id: Optional[str], strict_model: bool,
+              cors_origins: str, n_parallel: int, batch_requests: Optional[bool]) -> None:
     """Serve MODEL over OpenAI-compatible APIs (/v1/chat/completions, /v1/completions)."""
     setup_logging(choice.verbose)
     try:
         import uvicorn
 
         from ..server import create_app
+        from ..server.guard import LOOPBACK_HOSTS
+        from ..server.limits import ServerLimits
     except ImportError as e:
         raise click.ClickException(f"specllama serve needs the server extra ({e.name} is missing): "
-                                   "pip install 'specllama[server]'") from None
+                                   "pip install -e '.[server]' in your specllama checkout") from None
+    # a blank SPECLLAMA_API_KEY splits into no keys at all: as much an unset variable as --api-key ""
+    blank_env = not api_keys and "SPECLLAMA_API_KEY" in os.environ and not os.environ["SPECLLAMA_API_KEY"].strip()
+    if blank_env or any(not key.strip() for key in api_keys):
+        raise click.BadParameter("an API key is empty or blank (an unset variable in a script?); give a non-empty "
+                                 "key, or leave --api-key out to serve without one", param_hint="--api-key")
+    try:
+        server_limits = ServerLimits.parse(limits)
+    except ValueError as e:
+        raise click.BadParameter(str(e), param_hint="--limit") from None
     target_path, _ = choice.resolve()
     name = model_id or target_path.stem
-    if host not in ("127.0.0.1", "localhost", "::1"):
+    loopback = host in LOOPBACK_HOSTS
+    if not loopback:
         click.echo(f"warning: listening on {host}, reachable from other machines"
-                   + ("" if api_key else " with no --api-key"), err=True)
+                   + ("" if api_keys else " with no --api-key"), err=True)
+    # None: create_app's default (any name with a key, loopback names without)
+    hosts = [h.strip() for h in allowed_hosts.split(",") if h.strip()] if allowed_hosts is not None else \
+        None if loopback else ["*"]
     click.echo(f"serving {name} on http://{host}:{port}/v1 (loading the model; /health says when it is ready)",
                err=True)
     origins = [o.strip() for o in cors_origins.split(",") if o.strip()]
     share = "auto" if batch_requests is None else batch_requests
-    app = create_app(lambda: choice.open(n_parallel=n_parallel, batch_requests=share), name, api_key,
-                     cors_origins=origins, strict_model=strict_model, n_parallel=n_parallel)
+    app = create_app(lambda: choice.open(n_parallel=n_parallel, batch_requests=share), name, list(api_keys),
+                     cors_origins=origins, strict_model=strict_model, n_parallel=n_parallel,
+                     allowed_hosts=hosts, limits=server_limits,
+                     cache_scope=cache_scope)
     server = _server(uvicorn.Config(app, host=host, port=port, log_level="info" if choice.verbose else "warning"))
     server.run()
     if server.stopped_by == signal.SIGINT:  # Ctrl-C: the shell's convention, as every other command

@@ -15,8 +15,8 @@ from collections.abc import AsyncIterator, Iterator
 from typing import Any, Optional, Union
 
 from fastapi import FastAPI, Request
-from pydantic import BaseModel, ConfigDict
-from sse_starlette.sse import EventSourceResponse, ServerSentEvent
+from pydantic import ConfigDict
+from sse_starlette.sse import ServerSentEvent
 
 from ..completions import Completion, generate_options, shaping_options, tool_setup
 from ..errors import InvalidParameterError, PromptTooLongError
@@ -24,6 +24,7 @@ from ..messages import content_text
 from .app import Server
 from .errors import ApiError, from_library
 from .jobs import Job
+from .limits import Body
 
 log = logging.getLogger("specllama")
 
@@ -35,7 +36,7 @@ BILLING_HEADER = "x-anthropic-billing-header:"
 _STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use"}
 
 
-class MessagesBody(BaseModel):
+class MessagesBody(Body):
     model_config = ConfigDict(extra="allow")
     model: Optional[str] = None
     messages: list[Any]
@@ -52,7 +53,7 @@ class MessagesBody(BaseModel):
     thinking: Optional[dict] = None  # accepted; this server's models answer without a thinking block
 
 
-class CountBody(BaseModel):
+class CountBody(Body):
     model_config = ConfigDict(extra="allow")
     model: Optional[str] = None
     messages: list[Any]
@@ -66,21 +67,27 @@ def add_routes(app: FastAPI, server: Server) -> None:
     async def messages(body: MessagesBody, request: Request) -> Any:
         llm = server.ready()
         server.check_model(body.model)
-        turn = Turn.of(server, llm, body)
-        return await server.answer(request, turn.work, body.stream, lambda job: EventSourceResponse(
-            _events(server, request, job), ping=10,
-            ping_message_factory=lambda: ServerSentEvent(data='{"type": "ping"}', event="ping")))
+        scope = server.scope_of(request)
+        return await server.answer(request, lambda: Turn.of(server, llm, body, scope), body.stream,
+                                   lambda job, turn: server.events(
+                                       request, job, _events(job), ping=10,
+                                       ping_message_factory=lambda: ServerSentEvent(data='{"type": "ping"}',
+                                                                                    event="ping")))
 
     @app.post("/v1/messages/count_tokens")
     async def count_tokens(body: CountBody) -> dict:
         llm = server.ready()
         server.check_model(body.model)
-        try:
-            messages, tools, tool_choice, parallel = translate(body)
-            tokens, _, _ = tool_setup(llm, messages, tools, tool_choice, parallel, None)
-        except Exception as e:
-            raise _error(e) from None
-        return {"input_tokens": len(tokens)}
+
+        def count() -> int:
+            server.limits.check(messages=body.messages, tools=body.tools)
+            try:
+                messages, tools, tool_choice, parallel = translate(body)
+                return len(tool_setup(llm, messages, tools, tool_choice, parallel, None)[0])
+            except Exception as e:
+                raise _error(e) from None
+
+        return {"input_tokens": await server.prepare(count)}
 
 
 def _error(e: Exception) -> ApiError:
@@ -192,7 +199,10 @@ class Turn:
         self.id = f"msg_{uuid.uuid4().hex[:24]}"
 
     @classmethod
-    def of(cls, server: Server, llm: Any, body: MessagesBody) -> "Turn":
+    def of(cls, server: Server, llm: Any, body: MessagesBody, scope: str = "") -> "Turn":
+        """The request's turn (in a worker thread); scope: its prompt-cache scope."""
+        server.limits.check(stop=body.stop_sequences, stop_param="stop_sequences", messages=body.messages,
+                            tools=body.tools)
         try:
             messages, tools, tool_choice, parallel = translate(body)
             tokens, tool_format, grammar = tool_setup(llm, messages, tools, tool_choice, parallel, None)
@@ -201,7 +211,7 @@ class Turn:
                                        llm.target.n_ctx, temperature=body.temperature,
                                        top_p=1.0 if body.top_p is None else body.top_p, min_p=0.0,
                                        top_k=0 if body.top_k is None else body.top_k, stop=body.stop_sequences,
-                                       seed=None, **shaping)
+                                       seed=None, cache_scope=scope, **shaping)
             completion = Completion(llm, tokens, chat=True, model=server.model_id, tool_format=tool_format,
                                     **options)
         except Exception as e:
@@ -313,11 +323,9 @@ def _tool_use(call: dict) -> dict:
             "input": arguments}
 
 
-async def _events(server: Server, request: Request, job: Job) -> AsyncIterator[ServerSentEvent]:
+async def _events(job: Job) -> AsyncIterator[ServerSentEvent]:
     try:
         async for name, data in job.items():
             yield ServerSentEvent(data=json.dumps(data), event=name)
     except Exception as e:  # mid-stream the status is sent already: an error event, as Anthropic does
         yield ServerSentEvent(data=json.dumps(_error(e).body("anthropic")), event="error")
-    finally:
-        server.stream_ended(request, job)

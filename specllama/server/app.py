@@ -1,42 +1,55 @@
 """The FastAPI app: loading the model, authentication, CORS, errors in each API's shape, and the
 endpoints every API shares (/health, /metrics, /v1/models). The wire formats are translators
-in modules of their own, each registering its routes on the one generate path."""
+in modules of their own, each registering its routes on the one generate path.
+
+The event loop only parses, routes and streams: a request's preparation (template, tokenizer,
+grammar) runs in a worker thread (Server.prepare) and its generation in a Job's thread."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import logging
-import secrets
 import threading
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
-from typing import Any, Optional
+from typing import Any, Optional, TypeVar, Union
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
+from sse_starlette.sse import EventSourceResponse, SendTimeoutError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .. import __version__
+from ..errors import RpcError
 from .errors import ApiError, api_of, from_library
 from .jobs import ClientGone, Disconnect, Job, acquire
+from .guard import Guard, access
+from .limits import ServerLimits
 from .metrics import Metrics
 
 log = logging.getLogger("specllama")
 
-OPEN_PATHS = ("/health", "/")  # answered without an API key: load balancers and clients probe them
+# requests prepared at once (template, tokenizer, grammar compile): the rest wait on the event loop
+# without holding a thread, counted in the queue
+N_PREPARING = 2
+T = TypeVar("T")
 
 
 class Server:
     """What the translators share: the model once loaded, the turn, metrics and settings."""
 
-    def __init__(self, model_id: str, strict_model: bool, metrics: Metrics, n_parallel: int = 4):
+    def __init__(self, model_id: str, strict_model: bool, metrics: Metrics, n_parallel: int = 4,
+                 limits: ServerLimits = ServerLimits(), cache_scope: str = "shared"):
         self.model_id, self.strict_model, self.metrics = model_id, strict_model, metrics
+        self.limits, self.cache_scope = limits, cache_scope
         self.llm: Any = None
         self.error: Optional[BaseException] = None
+        self.lost: Optional[str] = None  # why the model cannot answer any more (a lost RPC worker)
+        self.preparing = asyncio.Semaphore(N_PREPARING)
         # n_parallel generations at once, each in a slot of the model's; waiters served in arrival order
         self.n_parallel = n_parallel
         self.turn = asyncio.Semaphore(n_parallel)
@@ -50,8 +63,38 @@ class Server:
             raise ApiError(503, f"the model failed to load: {self.error}", kind="server_error", code="load_failed")
         if self.llm is None:
             raise ApiError(503, "the model is still loading; retry shortly", kind="server_error", code="loading")
+        if self.lost is not None:
+            raise ApiError(503, f"the model cannot answer: {self.lost}", kind="server_error", code="model_lost")
         return self.llm
 
+    def scope_of(self, request: Request) -> str:
+        """The prompt-cache scope of a request: its API key's under --cache-scope key, else shared."""
+        return getattr(request.state, "key_scope", "") if self.cache_scope == "key" else ""
+
+    async def prepare(self, work: Callable[[], T]) -> T:
+        """work() (a request's template, tokens, grammar: CPU work) in a worker thread, a few at
+        a time, so the event loop keeps streaming; 503 with Retry-After past the queue limit."""
+        if self.n_queued >= self.limits.queue:
+            self.metrics.refused.labels("queue").inc()
+            raise ApiError(503, f"{self.n_queued} requests are waiting already (this server's queue limit, "
+                           "--limit queue=...); retry shortly", kind="server_error", code="queue_full",
+                           headers={"Retry-After": "5"})
+        self._count(queued=1)
+        try:
+            async with self.preparing:
+                return await asyncio.to_thread(work)
+        finally:
+            self._count(queued=-1)
+
+    def failed(self, e: BaseException) -> None:
+        """A job's work raised e (in its thread): a lost RPC worker takes the model with it."""
+        if isinstance(e, RpcError):
+            self.lost = str(e)
+
+    def events(self, request: Request, job: Job, content: Any, **sse: Any) -> Response:
+        """The SSE response of a streamed job: ends (and cancels the job) when the client leaves
+        or stops reading for the send timeout; counted in /metrics either way."""
+        return _Events(self, request, job, content, send_timeout=self.limits.send_timeout, **sse)
     def check_model(self, name: Any) -> None:
         """Any name is served, as llama-server and llama-cpp-python do, unless --strict-model."""
         if name is not None and not isinstance(name, str):
@@ -73,7 +116,7 @@ class Server:
             self.metrics.cancelled.labels(self.metrics.endpoint(request.url.path)).inc()
             return None
         self._count(active=1)
-        job = Job(work, self._release)
+        job = Job(work, self._release, self.failed, self.limits.backlog)
         if stream:  # the stream's response watches its own client
             disconnect.close()
         else:
@@ -89,15 +132,17 @@ class Server:
         self._count(active=-1)
         self.turn.release()
 
-    async def answer(self, request: Request, work: Callable[[Job], Any], stream: bool,
-                     events: Callable[[Job], Response]) -> Any:
-        """Run work in its turn and answer: events(job) for a stream, the job's result otherwise;
-        499 (nobody reads it) for a client that left, while waiting or while it ran."""
-        job = await self.run(request, work, stream)
+    async def answer(self, request: Request, prepare: Callable[[], T], stream: bool,
+                     events: Callable[[Job, T], Response]) -> Any:
+        """Prepare the request (Server.prepare), run its work(job) in its turn and answer:
+        events(job, prepared) for a stream, the job's result otherwise; 499 (nobody reads it)
+        for a client that left, while waiting or while it ran."""
+        prepared: Any = await self.prepare(prepare)
+        job = await self.run(request, prepared.work, stream)
         if job is None:
             return gone()
         if stream:
-            return events(job)
+            return events(job, prepared)
         try:
             return await self.result(request, job)
         except ClientGone:
@@ -131,19 +176,50 @@ class Server:
             self.metrics.cancelled.labels(self.metrics.endpoint(request.url.path)).inc()
 
 
-def create_app(load: Callable[[], Any], model_id: str, api_key: Optional[str] = None,
-               cors_origins: Sequence[str] = (), strict_model: bool = False, n_parallel: int = 4) -> FastAPI:
+class _Events(EventSourceResponse):
+    """A stream's SSE response, which cancels its job however it ends; a client that stops
+    reading for send_timeout seconds ends it (the chunks it left unread are freed with it)."""
+
+    def __init__(self, server: Server, request: Request, job: Job, content: Any, **sse: Any):
+        super().__init__(content, **sse)
+        self.server, self.request, self.job = server, request, job
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        except SendTimeoutError:
+            self.server.metrics.refused.labels("send_timeout").inc()
+            log.warning("%s: the client read nothing for %g s (--limit send_timeout); its stream is cancelled",
+                        self.request.url.path, self.send_timeout)
+        finally:
+            if self.job.overflowed:
+                self.server.metrics.refused.labels("backlog").inc()
+            self.server.stream_ended(self.request, self.job)
+
+
+def create_app(load: Callable[[], Any], model_id: str, api_key: Union[None, str, Sequence[str]] = None,
+               cors_origins: Sequence[str] = (), strict_model: bool = False, n_parallel: int = 4,
+               allowed_hosts: Optional[Sequence[str]] = None, limits: ServerLimits = ServerLimits(),
+               cache_scope: Optional[str] = None) -> FastAPI:
     """The app; load() builds the SpecLlama in a background thread once the server is up.
 
     Args:
         load: returns the SpecLlama to serve.
         model_id: the name /v1/models lists and responses carry (requests may name any model).
-        api_key: when set, every endpoint but /health and / needs "Authorization: Bearer KEY"
-            or "x-api-key: KEY" (Anthropic's header).
+        api_key: a key or keys; when given, every endpoint but /health and / needs
+            "Authorization: Bearer KEY" or "x-api-key: KEY" (Anthropic's header). An empty or
+            blank key is refused (ValueError): it would look like protection and be none.
         cors_origins: origins browsers may call from ("*" for any); none by default.
         strict_model: answer 404 for a request naming another model, as OpenAI does.
         n_parallel: requests generating at once (load()'s n_parallel); others wait in arrival order.
+        allowed_hosts: the Host header values served ("*": any). Default: any with a key; only
+            loopback names without one, so a web page that rebinds its DNS name to 127.0.0.1
+            cannot drive a keyless local server.
+        limits: what one request may ask (ServerLimits).
+        cache_scope: "key" (the default with keys): a prompt cached for one key is reused only by
+            requests with the same key; "shared": by every request.
     """
+    keys, hosts, cache_scope = access(api_key, allowed_hosts, cache_scope)
     from . import anthropic_messages, llama_server, openai_chat, openai_responses
 
     translators = (openai_chat, anthropic_messages, openai_responses, llama_server)
@@ -165,7 +241,7 @@ def create_app(load: Callable[[], Any], model_id: str, api_key: Optional[str] = 
             await asyncio.to_thread(server.llm.close)
 
     app = FastAPI(title="specllama", docs_url=None, redoc_url=None, lifespan=lifespan)
-    server = Server(model_id, strict_model, metrics, n_parallel)
+    server = Server(model_id, strict_model, metrics, n_parallel, limits, cache_scope)
     app.state.server = server
 
     _error_handlers(app)
@@ -173,7 +249,7 @@ def create_app(load: Callable[[], Any], model_id: str, api_key: Optional[str] = 
     for translator in translators:
         translator.add_routes(app, server)
 
-    app.add_middleware(_Guard, api_key=api_key, metrics=metrics)
+    app.add_middleware(Guard, keys=keys, hosts=hosts, max_body=int(limits.body_mb * 2**20), metrics=metrics)
     # outermost: a browser's preflight is answered before the key is asked for (it never carries one)
     app.add_middleware(CORSMiddleware, allow_origins=list(cors_origins), allow_methods=["GET", "POST", "OPTIONS"],
                        allow_headers=["*"], expose_headers=["*"], allow_credentials=False, max_age=600)
@@ -208,7 +284,8 @@ def _error_handlers(app: FastAPI) -> None:
         detail = e.detail if isinstance(e.detail, str) else "invalid request"
         if e.status_code == 404:
             detail = f"{request.method} {request.url.path} is not an endpoint of this server"
-        code = {404: "not_found", 405: "method_not_allowed"}.get(e.status_code, "invalid_request")
+        code = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}.get(e.status_code,
+                                                                                            "invalid_request")
         return ApiError(e.status_code, detail, code=code).response(api_of(request.url.path))
 
     @app.exception_handler(Exception)
@@ -229,6 +306,8 @@ def _shared_routes(app: FastAPI, server: Server) -> None:
     async def health() -> JSONResponse:
         if server.llm is None:
             return JSONResponse({"status": "error" if server.error else "loading"}, status_code=503)
+        if server.lost is not None:  # every request would fail: a balancer should stop sending them
+            return JSONResponse({"status": "error", "error": server.lost}, status_code=503)
         sharing = getattr(server.llm, "sharing", None)  # rows of requests in one pass (--batch-requests)
         note = getattr(server.llm, "sharing_note", "")  # why they do not
         shared = sharing.as_dict() if sharing is not None else {"n_lanes": 0, "why": note} if note else None
@@ -256,41 +335,3 @@ def _shared_routes(app: FastAPI, server: Server) -> None:
 def gone() -> Response:
     """What a handler returns for a client that already left (nobody reads it)."""
     return Response(status_code=499)
-
-
-class _Guard:
-    """Checks the API key and counts requests by endpoint and status. A plain ASGI middleware,
-    so a handler still sees its client's disconnect."""
-
-    def __init__(self, app: Any, api_key: Optional[str], metrics: Metrics):
-        self.app, self.metrics = app, metrics
-        self.keys = None if api_key is None else (f"Bearer {api_key}".encode(), api_key.encode())
-
-    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        path = scope["path"]
-        endpoint = self.metrics.endpoint(path)
-        if self.keys is not None and path not in OPEN_PATHS and not self._authorized(scope):
-            error = ApiError(401, "missing or wrong API key: send Authorization: Bearer <key> (or x-api-key: <key>)",
-                             code="invalid_api_key", kind="authentication_error")
-            self.metrics.requests.labels(endpoint, "401").inc()
-            return await error.response(api_of(path))(scope, receive, send)
-        status = {"code": 500}
-
-        async def counting_send(message: dict) -> None:
-            if message["type"] == "http.response.start":
-                status["code"] = message["status"]
-            await send(message)
-
-        try:
-            await self.app(scope, receive, counting_send)
-        finally:
-            self.metrics.requests.labels(endpoint, str(status["code"])).inc()
-
-    def _authorized(self, scope: dict) -> bool:
-        headers = dict(scope["headers"])
-        assert self.keys is not None
-        bearer, key = self.keys
-        return secrets.compare_digest(headers.get(b"authorization", b""), bearer) or \
-            secrets.compare_digest(headers.get(b"x-api-key", b""), key)

@@ -8,7 +8,7 @@ from typing import Any, Optional
 from fastapi.responses import JSONResponse
 
 from ..errors import (BusyError, ClosedError, ConstraintError, EmptyPromptError, InvalidParameterError,
-                      PromptTooLongError, SpecLlamaError)
+                      PromptTooLongError, RpcError, SpecLlamaError)
 
 log = logging.getLogger("specllama")
 
@@ -24,10 +24,10 @@ class ApiError(Exception):
     {"type": "error", "error": {"type", "message"}} for the Messages API."""
 
     def __init__(self, status: int, message: str, param: Optional[str] = None, code: Optional[str] = None,
-                 kind: str = "invalid_request_error", **extra: Any):
+                 kind: str = "invalid_request_error", headers: Optional[dict[str, str]] = None, **extra: Any):
         super().__init__(message)
         self.status, self.message, self.param, self.code, self.kind = status, message, param, code, kind
-        self.extra = extra
+        self.headers, self.extra = headers, extra
 
     def body(self, api: str = "openai") -> dict:
         if api == "anthropic":
@@ -37,7 +37,7 @@ class ApiError(Exception):
                           **self.extra}}
 
     def response(self, api: str = "openai") -> JSONResponse:
-        return JSONResponse(self.body(api), status_code=self.status)
+        return JSONResponse(self.body(api), status_code=self.status, headers=self.headers)
 
 
 def api_of(path: str) -> str:
@@ -59,6 +59,8 @@ def from_library(e: Exception, param: Optional[str] = None) -> ApiError:
         return ApiError(400, str(e), param=param, code="invalid_value")
     if isinstance(e, (BusyError, ClosedError)):
         return ApiError(503, str(e), kind="server_error", code="unavailable")
+    if isinstance(e, RpcError):  # the model's workers are gone: /health says so until a restart
+        return ApiError(503, str(e), kind="server_error", code="model_lost")
     if isinstance(e, SpecLlamaError):
         return ApiError(500, f"{type(e).__name__}: {e}", kind="server_error", code="internal_error")
     log.error("internal error: %s", e, exc_info=e)

@@ -61,14 +61,24 @@ async def acquire(lock: asyncio.Semaphore, disconnect: Disconnect) -> bool:
 class Job:
     """work(job) runs in a worker thread and returns the job's result; meanwhile it may
     job.emit(item) for a stream and must job.track(stream) each Stream it starts, so that
-    cancel() reaches it. release() runs on the event loop when the work has ended."""
+    cancel() reaches it. release() runs on the event loop when the work has ended; failed(e) in
+    the worker thread when it raised e.
 
-    def __init__(self, work: Callable[["Job"], Any], release: Callable[[], None]):
+    At most max_unread emitted items wait for the stream's reader: past that the client reads
+    slower than the model writes (or not at all), and the job is cancelled (overflowed) rather
+    than hold its output in memory without bound."""
+
+    def __init__(self, work: Callable[["Job"], Any], release: Callable[[], None],
+                 failed: Callable[[BaseException], None] = lambda e: None, max_unread: int = 4096):
         self._loop = asyncio.get_running_loop()
         self._queue: asyncio.Queue = asyncio.Queue()
         self._cancel = threading.Event()
         self._streams: list[Any] = []
-        self._release = release
+        self._release, self._failed = release, failed
+        self._max_unread = max_unread
+        self._n_unread = 0  # guarded by _unread_lock: emitted in the worker, read on the loop
+        self._unread_lock = threading.Lock()
+        self.overflowed = False  # cancelled for a reader that fell max_unread items behind
         self.finished = False  # the work has ended (on the event loop's side)
         self.disconnect: Optional[Disconnect] = None  # a non-streamed request's watch on its client
         threading.Thread(target=self._run, args=(work,), name="specllama-request", daemon=True).start()
@@ -89,6 +99,14 @@ class Job:
         return stream
 
     def emit(self, item: Any) -> None:
+        with self._unread_lock:
+            if self.overflowed:
+                return
+            self._n_unread += 1
+            self.overflowed = self._n_unread > self._max_unread
+        if self.overflowed:
+            self.cancel()
+            return
         self._put((_ITEM, item))
 
     def _put(self, entry: tuple) -> None:
@@ -101,6 +119,7 @@ class Job:
         try:
             self._put((_RESULT, work(self)))
         except BaseException as e:  # reaches the request's handler, which maps it
+            self._failed(e)
             self._put((_ERROR, e))
         finally:
             try:
@@ -110,7 +129,10 @@ class Job:
 
     async def _next(self, getter: "asyncio.Future[tuple]") -> tuple:
         entry = await getter
-        if entry[0] != _ITEM:
+        if entry[0] == _ITEM:
+            with self._unread_lock:
+                self._n_unread -= 1
+        else:
             self.finished = True
         if entry[0] == _ERROR:
             raise entry[1]

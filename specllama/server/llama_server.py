@@ -9,29 +9,29 @@ from collections.abc import AsyncIterator
 from typing import Any, Optional, Union
 
 from fastapi import FastAPI, Request
-from pydantic import BaseModel, ConfigDict
-from sse_starlette.sse import EventSourceResponse
+from pydantic import ConfigDict
 
 from ..completions import Completion, generate_options, timings
 from .app import Server
 from .errors import ApiError, from_library
 from .jobs import Job
+from .limits import Body
 
 PATHS = ("/tokenize", "/detokenize", "/infill")
 
 
-class TokenizeBody(BaseModel):
+class TokenizeBody(Body):
     content: str
     add_special: bool = False
     parse_special: bool = True
     with_pieces: bool = False
 
 
-class DetokenizeBody(BaseModel):
+class DetokenizeBody(Body):
     tokens: list[int]
 
 
-class InfillBody(BaseModel):
+class InfillBody(Body):
     model_config = ConfigDict(extra="allow")  # llama.vscode's samplers, cache_prompt, t_max_*: accepted
     input_prefix: str = ""
     input_suffix: str = ""
@@ -53,10 +53,14 @@ def add_routes(app: FastAPI, server: Server) -> None:
     @app.post("/tokenize")
     async def tokenize(body: TokenizeBody) -> dict:
         target = server.ready().target
-        tokens = target.tokenize(body.content, add_special=body.add_special, parse_special=body.parse_special)
-        if not body.with_pieces:
-            return {"tokens": tokens}
-        return {"tokens": [{"id": t, "piece": _piece(target.piece(t))} for t in tokens]}
+
+        def tokenize() -> dict:  # in a worker thread: a long text takes a while
+            tokens = target.tokenize(body.content, add_special=body.add_special, parse_special=body.parse_special)
+            if not body.with_pieces:
+                return {"tokens": tokens}
+            return {"tokens": [{"id": t, "piece": _piece(target.piece(t))} for t in tokens]}
+
+        return await server.prepare(tokenize)
 
     @app.post("/detokenize")
     async def detokenize(body: DetokenizeBody) -> dict:
@@ -65,14 +69,14 @@ def add_routes(app: FastAPI, server: Server) -> None:
         if bad:
             raise ApiError(400, f"tokens: {bad[0]} is not a token id of this model (0..{llm.target.n_vocab - 1})",
                            param="tokens", code="invalid_value")
-        return {"content": llm.detokenize(body.tokens)}
+        return {"content": await server.prepare(lambda: llm.detokenize(body.tokens))}
 
     @app.post("/infill")
     async def infill(body: InfillBody, request: Request) -> Any:
         llm = server.ready()
-        completion = _infill(server, llm, body)
-        return await server.answer(request, lambda job: _work(server, completion, body.stream, job), body.stream,
-                                   lambda job: EventSourceResponse(_events(server, request, job)))
+        scope = server.scope_of(request)
+        return await server.answer(request, lambda: _Infill(server, _infill(server, llm, body, scope), body.stream),
+                                   body.stream, lambda job, infill: server.events(request, job, _events(job)))
 
 
 def _piece(data: bytes) -> Union[str, list[int]]:
@@ -83,7 +87,9 @@ def _piece(data: bytes) -> Union[str, list[int]]:
         return list(data)
 
 
-def _infill(server: Server, llm: Any, body: InfillBody) -> Completion:
+def _infill(server: Server, llm: Any, body: InfillBody, scope: str) -> Completion:
+    """The request's completion (in a worker thread); scope: its prompt-cache scope."""
+    server.limits.check(stop=body.stop, input_extra=body.input_extra)
     target = llm.target
     n_predict = body.n_predict if body.n_predict is not None else body.max_tokens
     try:
@@ -91,7 +97,8 @@ def _infill(server: Server, llm: Any, body: InfillBody) -> Completion:
                                                    extra=body.input_extra, n_predict=n_predict or 128))
         options = generate_options(n_predict if n_predict is None or n_predict > 0 else None, len(tokens),
                                    target.n_ctx, temperature=body.temperature, top_p=body.top_p, min_p=body.min_p,
-                                   top_k=body.top_k, stop=body.stop, seed=body.seed, n_draft=body.n_draft)
+                                   top_k=body.top_k, stop=body.stop, seed=body.seed, n_draft=body.n_draft,
+                                   cache_scope=scope)
         return Completion(llm, tokens, chat=False, model=server.model_id, **options)
     except Exception as e:
         raise from_library(e, param="input_prefix") from None
@@ -110,28 +117,33 @@ def _final(server: Server, completion: Completion, content: str) -> dict:
             "timings": timings(stats) if stats is not None else {}}
 
 
-def _work(server: Server, completion: Completion, stream: bool, job: Job) -> Optional[dict]:
-    job.track(completion.stream)
-    try:
-        if not stream:
-            response = completion.response()
-            return _final(server, completion, response["choices"][0]["text"])
-        for chunk in completion.chunks():
-            text = chunk["choices"][0]["text"]
-            if text:
-                job.emit({"content": text, "stop": False})
-        job.emit(_final(server, completion, ""))
-        return None
-    finally:
-        if completion.stats is not None:
-            server.record("infill", completion.stats)
+class _Infill:
+    """One /infill request: its completion, run by work(job) in the job's thread."""
+
+    def __init__(self, server: Server, completion: Completion, stream: bool):
+        self.server, self.completion, self.stream = server, completion, stream
+
+    def work(self, job: Job) -> Optional[dict]:
+        server, completion = self.server, self.completion
+        job.track(completion.stream)
+        try:
+            if not self.stream:
+                response = completion.response()
+                return _final(server, completion, response["choices"][0]["text"])
+            for chunk in completion.chunks():
+                text = chunk["choices"][0]["text"]
+                if text:
+                    job.emit({"content": text, "stop": False})
+            job.emit(_final(server, completion, ""))
+            return None
+        finally:
+            if completion.stats is not None:
+                server.record("infill", completion.stats)
 
 
-async def _events(server: Server, request: Request, job: Job) -> AsyncIterator[str]:
+async def _events(job: Job) -> AsyncIterator[str]:
     try:
         async for item in job.items():
             yield json.dumps(item)
     except Exception as e:
         yield json.dumps(from_library(e).body())
-    finally:
-        server.stream_ended(request, job)

@@ -18,6 +18,10 @@ class Metrics:
                                 ["endpoint", "status"], registry=r)
         self.cancelled = Counter("specllama_requests_cancelled", "Generations stopped because their client left",
                                  ["endpoint"], registry=r)
+        self.refused = Counter("specllama_requests_refused",
+                               "Requests and streams the server's limits ended: queue (503), send_timeout (a client "
+                               "that stopped reading), backlog (one reading slower than it generates)",
+                               ["reason"], registry=r)
         self.prompt_tokens = Counter("specllama_prompt_tokens", "Prompt tokens processed", registry=r)
         self.prompt_cached_tokens = Counter("specllama_prompt_cached_tokens",
                                             "Prompt tokens reused from the prompt cache, not decoded", registry=r)

@@ -17,8 +17,7 @@ from collections.abc import AsyncIterator, Iterator
 from typing import Any, Optional, Union
 
 from fastapi import FastAPI, Request
-from pydantic import BaseModel, ConfigDict
-from sse_starlette.sse import EventSourceResponse
+from pydantic import ConfigDict
 
 from ..completions import (IGNORED, NEUTRAL, Completion, chat_logprobs, check_supported, generate_options,
                            shaping_options, timings, tool_setup)
@@ -26,6 +25,7 @@ from ..errors import InvalidParameterError
 from .app import Server
 from .errors import ApiError, from_library
 from .jobs import Job
+from .limits import Body
 
 log = logging.getLogger("specllama")
 
@@ -33,7 +33,7 @@ PATHS = ("/v1/chat/completions", "/v1/completions")
 MAX_N = 16  # choices per request: each sampled one is a whole generation on this machine
 
 
-class _Body(BaseModel):
+class _Body(Body):
     """Fields both endpoints take; unknown OpenAI fields are checked, not silently dropped."""
 
     model_config = ConfigDict(extra="allow")
@@ -90,17 +90,21 @@ def add_routes(app: FastAPI, server: Server) -> None:
 async def respond(server: Server, request: Request, body: _Body, chat: bool) -> Any:
     llm = server.ready()
     server.check_model(body.model)
-    try:
-        plan = Plan.of(server, llm, body, chat)
-    except ApiError:
-        raise
-    except Exception as e:
-        raise from_library(e, param="messages" if chat else "prompt") from None
-    return await server.answer(request, plan.work, body.stream,
-                               lambda job: EventSourceResponse(_events(server, request, job, plan), ping=15))
+    scope = server.scope_of(request)
+
+    def prepare() -> Plan:
+        try:
+            return Plan.of(server, llm, body, chat, scope)
+        except ApiError:
+            raise
+        except Exception as e:
+            raise from_library(e, param="messages" if chat else "prompt") from None
+
+    return await server.answer(request, prepare, body.stream,
+                               lambda job, plan: server.events(request, job, _events(job, plan), ping=15))
 
 
-async def _events(server: Server, request: Request, job: Job, plan: "Plan") -> AsyncIterator[str]:
+async def _events(job: Job, plan: "Plan") -> AsyncIterator[str]:
     """SSE data: the chunks (each choice's last with its timings), a usage chunk if asked, [DONE]."""
     try:
         async for chunk in job.items():
@@ -111,8 +115,6 @@ async def _events(server: Server, request: Request, job: Job, plan: "Plan") -> A
         yield "[DONE]"
     except Exception as e:  # mid-stream the status is sent already: an error event, as llama-server
         yield json.dumps(from_library(e).body())
-    finally:
-        server.stream_ended(request, job)
 
 
 class Plan:
@@ -133,10 +135,21 @@ class Plan:
         self.done: list[tuple[int, Completion, list[int]]] = []  # (prompt, run, the choices it serves)
 
     @classmethod
-    def of(cls, server: Server, llm: Any, body: _Body, chat: bool) -> "Plan":
+    def of(cls, server: Server, llm: Any, body: _Body, chat: bool, scope: str = "") -> "Plan":
+        """The request's plan (in a worker thread: it renders, tokenizes and compiles); scope:
+        its prompt-cache scope."""
         n = 1 if body.n is None else body.n
         if not 1 <= n <= MAX_N:
             raise InvalidParameterError("n", n, f"an integer in 1..{MAX_N} (choices per request)")
+        n_prompts = len(body.prompt) if isinstance(body, CompletionBody) and isinstance(body.prompt, list) \
+            and body.prompt and isinstance(body.prompt[0], (str, list)) else 1
+        server.limits.check(stop=body.stop, messages=body.messages if isinstance(body, ChatBody) else None,
+                            tools=body.tools if isinstance(body, ChatBody) else None,
+                            grammar=body.grammar if body.grammar is not None else
+                            body.json_schema if body.json_schema is not None else body.response_format,
+                            grammar_param="grammar" if body.grammar is not None else
+                            "json_schema" if body.json_schema is not None else "response_format",
+                            n_prompts=n_prompts, n=n)
         extra = {k: v for k, v in (body.model_extra or {}).items() if k in NEUTRAL or k in IGNORED}
         unknown = sorted(set(body.model_extra or {}) - set(extra) - {"max_completion_tokens"})
         check_supported(extra)
@@ -170,7 +183,7 @@ class Plan:
         options = generate_options(max_tokens, max(len(p) for p in prompts), llm.target.n_ctx,
                                    temperature=body.temperature, top_p=body.top_p, min_p=body.min_p,
                                    top_k=body.top_k, stop=body.stop, seed=body.seed, n_draft=body.n_draft,
-                                   speculative=body.speculative, **shaping)
+                                   speculative=body.speculative, cache_scope=scope, **shaping)
         if unknown:
             log.info("ignoring request fields %s", ", ".join(unknown))
         return cls(server, llm, prompts, chat, options, tool_format, n, body.stream,

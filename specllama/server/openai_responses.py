@@ -17,8 +17,8 @@ from collections.abc import AsyncIterator, Iterator
 from typing import Any, Optional, Union
 
 from fastapi import FastAPI, Request
-from pydantic import BaseModel, ConfigDict
-from sse_starlette.sse import EventSourceResponse, ServerSentEvent
+from pydantic import ConfigDict
+from sse_starlette.sse import ServerSentEvent
 
 from ..completions import Completion, generate_options, shaping_options, tool_setup
 from ..errors import InvalidParameterError
@@ -27,6 +27,7 @@ from .anthropic_messages import deltas
 from .app import Server
 from .errors import ApiError, from_library
 from .jobs import Job
+from .limits import Body
 
 log = logging.getLogger("specllama")
 
@@ -34,7 +35,7 @@ PATHS = ("/v1/responses",)
 _ROLES = {"user": "user", "assistant": "assistant", "system": "system", "developer": "system"}
 
 
-class ResponsesBody(BaseModel):
+class ResponsesBody(Body):
     model_config = ConfigDict(extra="allow")
     model: Optional[str] = None
     input: Union[str, list[Any]] = []
@@ -60,9 +61,9 @@ def add_routes(app: FastAPI, server: Server) -> None:
     async def responses(body: ResponsesBody, request: Request) -> Any:
         llm = server.ready()
         server.check_model(body.model)
-        reply = Reply.of(server, llm, body)
-        return await server.answer(request, reply.work, body.stream,
-                                   lambda job: EventSourceResponse(_events(server, request, job), ping=15))
+        scope = server.scope_of(request)
+        return await server.answer(request, lambda: Reply.of(server, llm, body, scope), body.stream,
+                                   lambda job, reply: server.events(request, job, _events(job), ping=15))
 
 
 def translate(body: ResponsesBody) -> tuple[list[dict], Optional[list[dict]], Any]:
@@ -96,7 +97,8 @@ def _item(item: Any, where: str, messages: list[dict]) -> None:
         raise InvalidParameterError(where, item, "an input item object")
     kind = item.get("type", "message")
     if kind == "message":
-        role = _ROLES.get(item.get("role", ""))
+        role = item.get("role")
+        role = _ROLES.get(role) if isinstance(role, str) else None
         if role is None:
             raise InvalidParameterError(f"{where}.role", item.get("role"), "user, assistant, system or developer")
         messages.append({"role": role, "content": content_text(item.get("content"), f"{where}.content",
@@ -141,7 +143,12 @@ class Reply:
         self._n_event = 0
 
     @classmethod
-    def of(cls, server: Server, llm: Any, body: ResponsesBody) -> "Reply":
+    def of(cls, server: Server, llm: Any, body: ResponsesBody, scope: str = "") -> "Reply":
+        """The request's reply (in a worker thread); scope: its prompt-cache scope."""
+        fmt = (body.text or {}).get("format") if isinstance(body.text, dict) else None
+        server.limits.check(messages=body.input if isinstance(body.input, list) else None, messages_param="input",
+                            tools=body.tools, grammar=fmt.get("schema") if isinstance(fmt, dict) else None,
+                            grammar_param="text.format.schema")
         if body.previous_response_id is not None:
             raise ApiError(400, "previous_response_id: this server stores no responses; send the whole history "
                            "in input (as Codex does) and store: false", param="previous_response_id",
@@ -155,7 +162,7 @@ class Reply:
             options = generate_options(body.max_output_tokens, len(tokens), llm.target.n_ctx,
                                        temperature=1.0 if body.temperature is None else body.temperature,
                                        top_p=1.0 if body.top_p is None else body.top_p, min_p=0.0, top_k=0,
-                                       stop=None, seed=None, **shaping)
+                                       stop=None, seed=None, cache_scope=scope, **shaping)
             completion = Completion(llm, tokens, chat=True, model=server.model_id, tool_format=tool_format, **options)
         except ApiError:
             raise
@@ -261,7 +268,7 @@ class Reply:
         yield self._event("response.output_item.done", output_index=index, item=output[index])
 
 
-async def _events(server: Server, request: Request, job: Job) -> AsyncIterator[ServerSentEvent]:
+async def _events(job: Job) -> AsyncIterator[ServerSentEvent]:
     try:
         async for name, data in job.items():
             yield ServerSentEvent(data=json.dumps(data), event=name)
@@ -269,5 +276,3 @@ async def _events(server: Server, request: Request, job: Job) -> AsyncIterator[S
         error = e if isinstance(e, ApiError) else from_library(e)
         yield ServerSentEvent(data=json.dumps({"type": "error", "code": error.code, "message": error.message,
                                                "param": error.param, "sequence_number": 0}), event="error")
-    finally:
-        server.stream_ended(request, job)
