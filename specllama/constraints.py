@@ -142,10 +142,11 @@ class Grammar:
     """
 
     def __init__(self, tokenizer: llguidance.LLTokenizer, source: str, param: str = "grammar"):
-        is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(source, tokenizer)
-        if is_error:
-            raise InvalidParameterError(param, "...", f"a grammar llguidance accepts: {messages[0]}")
+        # one compile: the matcher enters an error state for a grammar it cannot build (validating
+        # first compiled every grammar twice, on the request's path)
         self.matcher = llguidance.LLMatcher(tokenizer, source, log_level=0)
+        if self.matcher.is_error():
+            raise InvalidParameterError(param, "...", f"a grammar llguidance accepts: {self.matcher.get_error()}")
         self.n_vocab = tokenizer.vocab_size
         self._bitmask = np.zeros((self.n_vocab + 31) // 32, dtype=np.int32)
         self._bits = self._bitmask.view(np.uint8)

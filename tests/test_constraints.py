@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from specllama import ConstraintError, InvalidParameterError
-from specllama.constraints import Constraint, Grammar, Penalties, check_logit_bias, grammar_source
+from specllama.constraints import Constraint, Grammar, Lark, Penalties, check_logit_bias, grammar_source
 from specllama.sampling import SamplingSettings, distribution
 from conftest import own_target
 from test_verify import chi2_critical, chi2_stat
@@ -75,6 +75,15 @@ def test_bad_grammars_and_schemas_name_the_field():
     assert e.value.name == "json_schema"
     with pytest.raises(InvalidParameterError):
         grammar_source(grammar='root ::= "a"', json_schema={"type": "object"})
+
+
+def test_a_grammar_the_matcher_cannot_build_names_the_field(plain):
+    """Rules that parse but name nothing (checked where the matcher is built, in one compile)."""
+    source = grammar_source(grammar=Lark("start: missing_rule"))
+    with pytest.raises(InvalidParameterError, match="a grammar llguidance accepts") as e:
+        Grammar(plain.target.grammar_tokenizer(), source, "response_format")
+    assert e.value.name == "response_format"
+    assert Grammar(plain.target.grammar_tokenizer(), grammar_source(grammar=Lark('start: "a"'))).allowed().any()
 
 
 def test_constraint_state_follows_accept_and_rollback(plain):

@@ -24,7 +24,7 @@ from sse_starlette.sse import EventSourceResponse, SendTimeoutError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .. import __version__
-from ..errors import RpcError
+from ..errors import RpcError, SpecLlamaError
 from .errors import ApiError, api_of, from_library
 from .jobs import ClientGone, Disconnect, Job, acquire
 from .guard import Guard, access
@@ -95,6 +95,7 @@ class Server:
         """The SSE response of a streamed job: ends (and cancels the job) when the client leaves
         or stops reading for the send timeout; counted in /metrics either way."""
         return _Events(self, request, job, content, send_timeout=self.limits.send_timeout, **sse)
+
     def check_model(self, name: Any) -> None:
         """Any name is served, as llama-server and llama-cpp-python do, unless --strict-model."""
         if name is not None and not isinstance(name, str):
@@ -230,7 +231,13 @@ def create_app(load: Callable[[], Any], model_id: str, api_key: Union[None, str,
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         def load_in_background() -> None:
             try:
-                server.llm = load()
+                llm = load()
+                # the grammars' tokenizer, built now while /health says loading: its build holds the
+                # GIL for about 0.7 s (151k tokens), which froze the event loop at the first request
+                # with a grammar, a JSON schema or a required tool call
+                with contextlib.suppress(SpecLlamaError):  # a target on RPC workers takes no grammar
+                    llm.target.grammar_tokenizer()
+                server.llm = llm
             except BaseException as e:  # reported by /health and every request
                 server.error = e
                 log.error("loading failed: %s", e)

@@ -76,9 +76,9 @@ class Guard:
         """The error a request gets before it reaches a handler, if any."""
         headers = dict(scope["headers"])
         if self.hosts is not None and _host_name(headers.get(b"host", b"")) not in self.hosts:
-            return ApiError(400, "this server answers only requests addressed to it by a loopback name "
-                            "(127.0.0.1, localhost, [::1]): start it with --allowed-hosts NAME (or --api-key) "
-                            "to serve other names", code="invalid_host")
+            return ApiError(400, f"this server answers only requests addressed to it as "
+                            f"{', '.join(sorted(self.hosts))} (the Host header): start it with --allowed-hosts "
+                            "NAME,... (or --api-key) to serve other names", code="invalid_host")
         if self.keys and path not in OPEN_PATHS:
             given = next((i for i, (bearer, key) in enumerate(self.keys)
                           if secrets.compare_digest(headers.get(b"authorization", b""), bearer)
