@@ -227,28 +227,8 @@ def create_app(load: Callable[[], Any], model_id: str, api_key: Union[None, str,
     metrics = Metrics({"/health", "/metrics", "/v1/models", "/"} | {p for t in translators for p in t.PATHS})
     server: Server
 
-    @contextlib.asynccontextmanager
-    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        def load_in_background() -> None:
-            try:
-                llm = load()
-                # the grammars' tokenizer, built now while /health says loading: its build holds the
-                # GIL for about 0.7 s (151k tokens), which froze the event loop at the first request
-                # with a grammar, a JSON schema or a required tool call
-                with contextlib.suppress(SpecLlamaError):  # a target on RPC workers takes no grammar
-                    llm.target.grammar_tokenizer()
-                server.llm = llm
-            except BaseException as e:  # reported by /health and every request
-                server.error = e
-                log.error("loading failed: %s", e)
-
-        threading.Thread(target=load_in_background, name="specllama-load", daemon=True).start()
-        yield
-        if server.llm is not None:  # open streams end at their next token, then the models are freed
-            await asyncio.to_thread(server.llm.close)
-
-    app = FastAPI(title="specllama", docs_url=None, redoc_url=None, lifespan=lifespan)
     server = Server(model_id, strict_model, metrics, n_parallel, limits, cache_scope)
+    app = FastAPI(title="specllama", docs_url=None, redoc_url=None, lifespan=_lifespan(server, load))
     app.state.server = server
 
     _error_handlers(app)
@@ -261,6 +241,33 @@ def create_app(load: Callable[[], Any], model_id: str, api_key: Union[None, str,
     app.add_middleware(CORSMiddleware, allow_origins=list(cors_origins), allow_methods=["GET", "POST", "OPTIONS"],
                        allow_headers=["*"], expose_headers=["*"], allow_credentials=False, max_age=600)
     return app
+
+
+def _lifespan(server: Server, load: Callable[[], Any]) -> Callable[[FastAPI], Any]:
+    """The model's life in the app: loaded in a background thread once the server is up (/health
+    says loading meanwhile), closed when the server stops."""
+
+    def load_in_background() -> None:
+        try:
+            llm = load()
+            # the grammars' tokenizer, built now while /health says loading: its build holds the
+            # GIL for about 0.7 s (151k tokens), which froze the event loop at the first request
+            # with a grammar, a JSON schema or a required tool call
+            with contextlib.suppress(SpecLlamaError):  # a target on RPC workers takes no grammar
+                llm.target.grammar_tokenizer()
+            server.llm = llm
+        except BaseException as e:  # reported by /health and every request
+            server.error = e
+            log.error("loading failed: %s", e)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        threading.Thread(target=load_in_background, name="specllama-load", daemon=True).start()
+        yield
+        if server.llm is not None:  # open streams end at their next token, then the models are freed
+            await asyncio.to_thread(server.llm.close)
+
+    return lifespan
 
 
 def _error_handlers(app: FastAPI) -> None:
