@@ -65,6 +65,11 @@ class _Process:
                 self._n_active -= 1
                 self._cv.notify_all()
 
+    @property
+    def working(self) -> bool:
+        """Whether an object's idle work is running now."""
+        return self._idle
+
     def try_idle(self) -> bool:
         with self._cv:
             if self._n_active or self._idle:

@@ -17,6 +17,8 @@ from specllama import (
     ModelNotFoundError,
     PromptTooLongError,
 )
+from specllama.compat import VocabInfo, check_compatible
+from specllama.engine import _vocab_info
 from specllama.runtime import ModelSettings, Runtime
 
 from conftest import SETTINGS
@@ -70,15 +72,49 @@ def test_incompatible_draft_names_the_difference(pair, model_paths, name):
     assert "same model family" in message
 
 
+# llama.cpp's order of checks (common/speculative.cpp): vocabulary type, BOS/EOS flags and ids,
+# size, then each token's text from id 5
+FIELDS = (("vocab_type", "vocabulary type"), ("add_bos", "add-BOS flag"), ("add_eos", "add-EOS flag"),
+          ("bos", "BOS token"), ("eos", "EOS token"))
+
+
 def test_first_differing_token_is_named(pair, model_paths):
-    """SmolLM2 and Qwen share BOS/EOS-free BPE settings? Whatever differs first is named exactly."""
+    """SmolLM2 beside Qwen: the first difference in llama.cpp's order is named with both values."""
     with Runtime.load(model_paths["smollm2"], ModelSettings(**SETTINGS)) as other:
-        with pytest.raises(IncompatibleDraftError, match=r"differs|token \d+ is"):
+        with pytest.raises(IncompatibleDraftError) as info:
             specllama.SpecLlama(pair.target, other)
+        target, draft = _vocab_info(pair.target), _vocab_info(other)
+        first = next((f"{label} differs (target {getattr(target, a)}, draft {getattr(draft, a)})"
+                      for a, label in FIELDS if getattr(target, a) != getattr(draft, a)), None)
+        if first is None:
+            token = next(t for t in range(5, min(target.n_vocab, draft.n_vocab))
+                         if target.token_text(t) != draft.token_text(t))
+            first = f"token {token} is "
+    assert first in str(info.value), (first, str(info.value))
+
+
+def _vocab(texts: dict[int, bytes], n_vocab: int = 50, bos: int = 1, name: str = "m") -> VocabInfo:
+    return VocabInfo(name, 2, n_vocab, bos, 2, False, False, lambda t: texts.get(t, b"t%d" % t))
+
+
+def test_the_vocabulary_rules_on_synthetic_vocabularies():
+    check_compatible(_vocab({}), _vocab({3: b"other"}, n_vocab=50 + 128))  # ids under 5 and 128 more tokens: fine
+    with pytest.raises(IncompatibleDraftError, match=r"token 7 is 'seven' in the target but 't7' in the draft"):
+        check_compatible(_vocab({7: b"seven", 9: b"nine"}), _vocab({}))  # the first of two differences
+    with pytest.raises(IncompatibleDraftError, match=r"BOS token differs \(target 1, draft 0\)"):
+        check_compatible(_vocab({7: b"seven"}), _vocab({}, bos=0))  # ids before token texts
+    with pytest.raises(IncompatibleDraftError, match="by more than 128"):
+        check_compatible(_vocab({}), _vocab({}, n_vocab=50 + 129))
 
 
 def test_same_model_as_its_own_draft_is_compatible(pair):
-    specllama.SpecLlama(pair.target, pair.draft, exact="off")  # no exception
+    target, draft = _vocab_info(pair.target), _vocab_info(pair.draft)
+    check_compatible(target, draft)  # the 1.5B target and its 0.5B draft share a tokenizer: no error
+    assert target.n_vocab == draft.n_vocab and target.token_text(1000) == draft.token_text(1000)
+    changed = VocabInfo(draft.name, draft.vocab_type, draft.n_vocab, draft.bos, draft.eos, draft.add_bos,
+                        draft.add_eos, lambda t: b"?" if t == 1000 else draft.token_text(t))
+    with pytest.raises(IncompatibleDraftError, match="token 1000 is"):
+        check_compatible(target, changed)  # the same check fails where one token's text differs
 
 
 BAD_CALLS = [

@@ -85,6 +85,7 @@ def test_two_threads_each_get_their_own_output(model_paths, expected):
     for t in threads:
         t.start()
     for t in threads:
-        t.join()
+        t.join(300)  # two 40-token generations take seconds: past this they hang
+    assert not any(t.is_alive() for t in threads), "a generation never ended"
     llm.close()
     assert results == [expected[CODE]] * 2

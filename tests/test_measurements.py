@@ -15,6 +15,7 @@ import specllama
 from conftest import SETTINGS, spinning_on_every_core
 from prompts import LONG_STORY
 from specllama import calibrate, records
+from specllama.idle import PROCESS
 
 FLAT_BUSY = [3.232] * 17  # every size at 3.2 s: flat like a GPU's, on a machine that does ~35 ms
 SLOW_NON_MONOTONE = [0.978, 1.2, 0.4, 4.036] + [1.3] * 13
@@ -246,9 +247,9 @@ def test_a_request_preempts_idle_work_in_progress(model_paths, home):
     with load(model_paths, idle_work=True) as llm:
         llm.generate(LONG_STORY + "Continue the story.", max_tokens=4)  # queues the limits at its KV length
         deadline = time.monotonic() + 30
-        while not llm.idle.pending() and time.monotonic() < deadline:
+        while not PROCESS.working and time.monotonic() < deadline:  # past the grace period, at work
             time.sleep(0.05)
-        time.sleep(0.9)  # past the grace period: the idle thread is at work
+        assert PROCESS.working, "no idle work started: the request below would preempt nothing"
         t0 = time.monotonic()
         r = llm.generate("def f(x):", max_tokens=2)
         waited = time.monotonic() - t0 - r.stats.t_total

@@ -35,8 +35,13 @@ def test_random_call_sequences(pair, plain, actions):
             assert stream.result.tokens == expected.tokens and text == expected.text
         elif action == "close_early":
             stream = pair.stream(prompt, max_tokens=max_tokens, n_draft=n_draft)
-            next(stream, None)
+            first = next(stream, None)
             stream.close()
+            # a stream closed after its first chunk: that chunk was plain decoding's start, its
+            # slot is free and the models consistent, so the same call again gives plain output
+            expected = plain.generate(prompt, max_tokens=max_tokens)
+            assert first is not None and expected.tokens[:len(first.tokens)] == first.tokens
+            assert pair.generate(prompt, max_tokens=max_tokens, n_draft=n_draft).tokens == expected.tokens
         else:
             a = pair.generate(prompt, max_tokens=max_tokens, n_draft=n_draft, temperature=0.9, seed=max_tokens)
             b = pair.generate(prompt, max_tokens=max_tokens, n_draft=n_draft, temperature=0.9, seed=max_tokens)

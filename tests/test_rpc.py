@@ -47,16 +47,23 @@ def workers(n: int, ports: list[int] | None = None):
                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE) for port in ports]
     endpoints = [f"127.0.0.1:{port}" for port in ports]
     try:
-        for proc in procs:  # ready once it has said where it listens
-            for line in proc.stderr:
-                if b"listening on" in line:
-                    break
+        for proc in procs:  # ready once it has said where it listens (in a thread: a mute one would block)
+            said = threading.Event()
+            threading.Thread(target=_wait_for_line, args=(proc, b"listening on", said), daemon=True).start()
+            assert said.wait(60), "the worker said nothing of listening within 60 s"
             assert proc.poll() is None, f"worker exited with {proc.returncode}"
         yield endpoints, procs
     finally:
         for proc in procs:
             proc.kill()
             proc.wait()
+
+
+def _wait_for_line(proc: subprocess.Popen, text: bytes, said: threading.Event) -> None:
+    for line in proc.stderr:
+        if text in line:
+            said.set()
+            return
 
 
 def interrupted_then_again(llm, prompt):

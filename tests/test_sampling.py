@@ -88,11 +88,13 @@ def test_sample_follows_the_distribution():
         assert abs((draws == token).mean() - prob) < 0.02
 
 
-def test_same_seed_same_draws(logits):
+def test_same_seed_same_draws_other_seeds_other_draws(logits):
     d = distribution(logits, SamplingSettings(temperature=1.0))
     a = [sample(d, np.random.default_rng(7)) for _ in range(5)]
     b = [sample(d, np.random.default_rng(7)) for _ in range(5)]
     assert a == b
+    # the draws come from the generator: a sampler that ignored it (argmax) passes the line above
+    assert len({sample(d, np.random.default_rng(seed)) for seed in range(64)}) > 1
 
 
 @pytest.mark.parametrize("kwargs, name", [

@@ -11,6 +11,7 @@ import openai
 import pytest
 
 from prompts import CODE
+from specllama.fidelity import parse_level
 from conftest import SERVER_KEY
 from serving import post as post_to
 
@@ -42,9 +43,13 @@ def test_health_says_loading_then_ok(server):
     assert health["status"] == "ok" and health["slots"] == 4
     assert set(health) == {"status", "slots", "requests_active", "requests_queued", "batch_requests"}
     # serve batches requests by default where the level allows what a lane's rows carry: the Q4_K_M
-    # target's lanes differ by about 0.4 logits here, over the rounding bound, so its requests take turns
-    assert health["batch_requests"]["n_lanes"] == 0, health
-    assert "over the rounding level's bound" in health["batch_requests"]["why"], health
+    # target's lanes differ by about 0.4 logits on our CPUs, over the rounding bound, so its requests
+    # take turns; a machine where they differ less serves lanes, within the bound
+    shared = health["batch_requests"]
+    if shared["n_lanes"] == 0:
+        assert "over the rounding level's bound" in shared["why"], health
+    else:
+        assert shared["apart_diff"] <= parse_level("rounding").bound, health
 
 
 def test_models_lists_the_target(client):
