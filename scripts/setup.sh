@@ -97,4 +97,5 @@ if ! .venv/bin/python -c "import llama_cpp" 2>/dev/null || [ "$(cat "$STAMP" 2>/
   .venv/bin/python -m pip install --quiet --disable-pip-version-check --force-reinstall --no-deps "$wheels"/llama_cpp_python-*.whl
   echo "$BUILD_ID" > "$STAMP"
 fi
-.venv/bin/python -m pip install --quiet --disable-pip-version-check -e '.[test]'
+# the test tools at the versions the suite passed with (scripts/constraints.txt)
+.venv/bin/python -m pip install --quiet --disable-pip-version-check -c scripts/constraints.txt -e '.[test]'

@@ -142,3 +142,27 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "slow" in item.keywords:
             item.add_marker(skip)
+
+
+def pytest_terminal_summary(terminalreporter):
+    """Where the suite's time went: every test's setup, call and teardown summed, slowest first,
+    in .test-results/durations.txt (kept after the run), and each module's total printed here."""
+    durations: dict[str, float] = {}
+    for reports in terminalreporter.stats.values():
+        for report in reports:
+            if getattr(report, "when", None) in ("setup", "call", "teardown"):
+                durations[report.nodeid] = durations.get(report.nodeid, 0.0) + report.duration
+    if not durations:
+        return
+    out = ROOT / ".test-results" / "durations.txt"
+    out.parent.mkdir(exist_ok=True)
+    ranked = sorted(durations.items(), key=lambda item: -item[1])
+    out.write_text("".join(f"{seconds:9.2f} s  {nodeid}\n" for nodeid, seconds in ranked))
+    modules: dict[str, float] = {}
+    for nodeid, seconds in ranked:
+        module = nodeid.split("::")[0]
+        modules[module] = modules.get(module, 0.0) + seconds
+    terminalreporter.write_sep("=", f"seconds by module ({sum(durations.values()) / 60:.1f} min of tests; "
+                                    f"every test in {out.relative_to(ROOT)})")
+    for module, seconds in sorted(modules.items(), key=lambda item: -item[1])[:20]:
+        terminalreporter.write_line(f"{seconds:8.1f} s  {module}")
