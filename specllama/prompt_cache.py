@@ -123,9 +123,10 @@ class PromptCache:
         """
         rt, chunk = self.runtime, self.runtime.n_batch
         best: Optional[SavedState] = None
-        n_live = min(common_prefix(rt.cached, tokens), len(tokens) - 1) if scope == self.scope else 0
+        live = scope == self.scope  # the live sequence was prefilled in this scope: reusable
+        n_live = min(common_prefix(rt.cached, tokens), len(tokens) - 1) if live else 0
         n_best, exact = reusable(rt.cached, rt.n_canonical, rt.prefill_row, tokens, canonical, chunk) \
-            if scope == self.scope else (0, True)
+            if live else (0, True)
         n_reach = rt.n_reachable(n_best)
         if n_reach < n_best:  # a recurrent memory goes back only to its checkpoint, or not at all
             n_all = n_live

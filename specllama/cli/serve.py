@@ -54,16 +54,18 @@ def serve_cmd(choice: ModelChoice, host: str, port: int, api_keys: tuple[str, ..
         import uvicorn
 
         from ..server import create_app
-        from ..server.guard import LOOPBACK_HOSTS
+        from ..server.guard import LOOPBACK_HOSTS, access
         from ..server.limits import ServerLimits
     except ImportError as e:
         raise click.ClickException(f"specllama serve needs the server extra ({e.name} is missing): "
                                    "pip install -e '.[server]' in your specllama checkout") from None
-    # a blank SPECLLAMA_API_KEY splits into no keys at all: as much an unset variable as --api-key ""
+    # checked before anything resolves or loads; a blank SPECLLAMA_API_KEY splits into no keys at all,
+    # as much an unset variable as --api-key ""
     blank_env = not api_keys and "SPECLLAMA_API_KEY" in os.environ and not os.environ["SPECLLAMA_API_KEY"].strip()
-    if blank_env or any(not key.strip() for key in api_keys):
-        raise click.BadParameter("an API key is empty or blank (an unset variable in a script?); give a non-empty "
-                                 "key, or leave --api-key out to serve without one", param_hint="--api-key")
+    try:
+        access([""] if blank_env else api_keys, None, cache_scope)
+    except ValueError as e:
+        raise click.BadParameter(f"{e} (an unset variable in a script?)", param_hint="--api-key") from None
     try:
         server_limits = ServerLimits.parse(limits)
     except ValueError as e:

@@ -141,15 +141,13 @@ class Plan:
         n = 1 if body.n is None else body.n
         if not 1 <= n <= MAX_N:
             raise InvalidParameterError("n", n, f"an integer in 1..{MAX_N} (choices per request)")
-        n_prompts = len(body.prompt) if isinstance(body, CompletionBody) and isinstance(body.prompt, list) \
-            and body.prompt and isinstance(body.prompt[0], (str, list)) else 1
+        # the field that shapes the output, if any: one is allowed (checked below), its size limited
+        shaped = next((f for f in ("grammar", "json_schema", "response_format") if getattr(body, f) is not None),
+                      "grammar")
         server.limits.check(stop=body.stop, messages=body.messages if isinstance(body, ChatBody) else None,
                             tools=body.tools if isinstance(body, ChatBody) else None,
-                            grammar=body.grammar if body.grammar is not None else
-                            body.json_schema if body.json_schema is not None else body.response_format,
-                            grammar_param="grammar" if body.grammar is not None else
-                            "json_schema" if body.json_schema is not None else "response_format",
-                            n_prompts=n_prompts, n=n)
+                            grammar=getattr(body, shaped), grammar_param=shaped,
+                            n_prompts=len(_batch(body.prompt)) if isinstance(body, CompletionBody) else 1, n=n)
         extra = {k: v for k, v in (body.model_extra or {}).items() if k in NEUTRAL or k in IGNORED}
         unknown = sorted(set(body.model_extra or {}) - set(extra) - {"max_completion_tokens"})
         check_supported(extra)
@@ -169,8 +167,7 @@ class Plan:
             n_logprobs = chat_logprobs(body.logprobs, body.top_logprobs)
         else:
             assert isinstance(body, CompletionBody)
-            batch = body.prompt if isinstance(body.prompt, list) and body.prompt \
-                and isinstance(body.prompt[0], (str, list)) else [body.prompt]
+            batch = _batch(body.prompt)
             if body.suffix is not None:  # OpenAI's legacy FIM field, with the GGUF's FIM tokens
                 if not all(isinstance(p, str) for p in batch):
                     raise InvalidParameterError("suffix", body.suffix, "given with a text prompt")
@@ -257,6 +254,11 @@ class Plan:
     def timings(self) -> Optional[dict]:
         stats = self.done[0][1].stats if self.done else None
         return None if stats is None else timings(stats)
+
+
+def _batch(prompt: Any) -> list:
+    """/v1/completions' prompts: a list of texts or of token lists is several, anything else one."""
+    return prompt if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)) else [prompt]
 
 
 def _with_index(chunk: dict, index: int, chat: bool) -> dict:
