@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import logging
 import time
 from collections.abc import Generator, Iterator, Sequence
@@ -19,7 +18,7 @@ from .concurrency_probes import plan_pieces
 from .decode import Decoding, generate_steps
 from .errors import ClosedError, InvalidParameterError
 from .fidelity import Limits, parse_level
-from .idle import PROCESS, IdleWork
+from .idle import PROCESS, IdleWork, idle_wanted
 from .llama_api import LlamaApi
 from .messages import normalize as normalize_messages
 from .options import (GenerateOptions, Prompt, check_cache_mb, check_n_draft, check_n_parallel, check_tree,
@@ -76,8 +75,8 @@ class SpecLlama(LlamaApi, BatchApi):
         self.draft_cache = PromptCache(cast(Model, draft), self.prompt_cache_budget) \
             if draft is not None and not self.mtp else None
         # measurements a request found missing, run while no generation runs (idle.py)
-        if idle_work is None:  # SPECLLAMA_IDLE_WORK=0 turns the thread off for a whole process tree
-            idle_work = os.environ.get("SPECLLAMA_IDLE_WORK", "1") != "0"
+        if idle_work is None:  # a library computes nothing behind its host's back unless asked
+            idle_work = idle_wanted(default=False)
         # requests decode side by side, each in a slot of its own; their rounds take turns
         note = why_single(target, draft)
         slots = Slots(Slot(0, target, draft, self.target_cache, self.draft_cache),
@@ -276,6 +275,7 @@ class SpecLlama(LlamaApi, BatchApi):
         lane = self.sharing is not None and self.sharing.admits(req.level, req.seeded)
         with self.pool.generation(req.prompt, self._check_open, lane, req.cache_scope) as slot:
             proposer, policy = self.planner.plan(req, slot.draft_cache, slot.draft)
+            learned_before = self.planner.learned_so_far(policy)
             t_start = time.perf_counter()
             stats = Stats(n_prompt=len(req.prompt), n_draft_max=policy.limit if proposer is not None else 0,
                           fidelity=str(req.level), rollback=self.target.rollback,
@@ -315,8 +315,10 @@ class SpecLlama(LlamaApi, BatchApi):
                 _finish_stats(stats, req, tokens, finish, matcher.stopped, limits, policy, t_start,
                               slot.target.n_replayed - n_replayed, self.target, self.draft)
                 stats.slot = slot.index
-                if req.n_draft == "auto" and self.speculates and self.planner.costs() is None:
-                    stats.measurements_pending.append("the decode costs")
+                stats.sources = self.planner.sources(policy, learned_before)
+                if req.n_draft == "auto" and self.planner.costs_pending:
+                    stats.measurements_pending.append("the decode-cost curve (a first estimate and the rounds' timings "
+                                                      "stand in)")
                 outcome.result = Result("".join(texts), tokens, finish, stats, matcher.matched)
                 self.planner.learned(policy)
                 if slot.index == 0 and not slot.lane:  # the planner measures on the first slot's contexts

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import random
 import threading
 import time
@@ -37,6 +38,16 @@ BUSY_RETRY_SECONDS = 10.0  # a disturbed measurement waits this long, doubling e
 BUSY_RETRY_MAX_SECONDS = 300.0  # up to this
 NOT_READY_POLL_SECONDS = 1.0  # a task waiting for a longer context looks again (a generation notifies sooner)
 BUSY_POLL_SECONDS = 5.0  # while other processes hold the cores, look again this often
+
+
+def idle_wanted(default: bool) -> bool:
+    """Whether an object runs idle work in a thread of its own: SPECLLAMA_IDLE_WORK=1 or 0 in the
+    environment decides for a whole process tree; otherwise default (off for load(): a library
+    that decodes in the background competes with its host's own threads, which idle work cannot
+    see (a llama_cpp.Llama beside one ran at 0.61 of its speed); on for `specllama serve` and
+    `specllama chat`, which own their process)."""
+    setting = os.environ.get("SPECLLAMA_IDLE_WORK", "").strip()
+    return default if setting == "" else setting != "0"
 
 
 class _Process:

@@ -20,7 +20,8 @@ from typing import Any, Optional
 
 from . import records
 from .calibrate import (acceptance_key, cached_batch_diffs, cached_reuse_diffs, costs_key, fidelity_group,
-                        measure_batch_diffs, measure_costs, measure_reuse_diffs, quick_costs, time_draft_step)
+                        first_costs, measure_batch_diffs, measure_costs, measure_reuse_diffs, quick_costs,
+                        time_draft_step)
 from .controller import Acceptance, Controller, Costs, FixedDraft, OnlineCosts, Policy, draft_can_pay
 from .fidelity import DiffTable, Level, ReuseTable, group_label, kv_group
 from .idle import IdleWork, Preempted, Task, in_pieces
@@ -53,6 +54,8 @@ class Planner:
         self._conversation_scope = ""  # its prompt-cache scope
         self._costs: Optional[Costs] = None
         self.costs_record: Optional[dict] = None  # what the costs in use came from, with its evidence
+        self.costs_from = "not measured"  # the same in words, for each request's stats
+        self._probed = False  # the costs in use come from a probe (this process's or the cache's)
         self._online_costs: Optional[OnlineCosts] = None
         self._v1_live: list[float] = []  # one-token decodes timed at load (stand for the first plain rounds)
         self._drift_probed = False  # rounds contradicted the curve and a probe was queued (once per object)
@@ -62,6 +65,7 @@ class Planner:
         self._acceptance = {greedy: Acceptance() if draft is None else
                             Acceptance.from_record(records.read(acceptance_key(target, draft, greedy)))
                             for greedy in (True, False)}
+        self._n_judged_cached = {greedy: a.n_judged for greedy, a in self._acceptance.items()}
         self._n_judged_kept = {True: 0, False: 0}  # drafts judged when each record was last written
         self._explained: set[Level] = set()
         self.batch_diffs = DiffTable(lambda group: cached_batch_diffs(target, group), self._want_fidelity,
@@ -93,7 +97,7 @@ class Planner:
         if problem is None:
             assert record is not None
             self._costs = Costs(tuple(record["verify"]), record["draft_token"], draft_batch, draft_kv)
-            self.costs_record = record
+            self.costs_record, self.costs_from, self._probed = record, "cached probe", True
             if self.draft is None or draft_batch is not None:
                 return
             # written before the draft's batch was timed: until it is, its prefills and catch-ups
@@ -102,7 +106,19 @@ class Planner:
             # other requests started prefills that stalled them all
             log.info("%s: the cached decode costs predate timing the draft's batch; measuring them again when "
                      "idle", self.target.name)
+        else:
+            self._start_from_first_costs(problem)
         self._queue_costs_probe()
+
+    def _start_from_first_costs(self, why: str) -> None:
+        """Costs that draft from the first request, where none cached describe this machine: a
+        first estimate timed now (calibrate.first_costs, about 1 s) that the rounds correct."""
+        short = self.batch_diffs.known(0)
+        costs, self._v1_live = first_costs(self.target, self.draft, short.verify_seconds if short else ())
+        self._costs, self._online_costs, self.costs_from = costs, None, "first estimate timed at load"
+        self.costs_record = {**records.costs_value(costs.verify, costs.draft_token, v1_repeats=self._v1_live,
+                                                   draft_batch=list(costs.draft_batch) if costs.draft_batch else None),
+                             "how": f"a first estimate timed at load, not cached (the curve: {why})"}
 
     def _queue_costs_probe(self) -> None:
         self.idle.add(Task("costs", self._measure_costs, what="the decode-cost curve", takes_context=True))
@@ -119,9 +135,15 @@ class Planner:
         return records.stale(record, min(v1_now + v1_again),
                              None if draft_now is None or draft_again is None else min(draft_now + draft_again))
 
+    @property
+    def costs_pending(self) -> bool:
+        """Whether the decode-cost curve is still to be probed (a first estimate in use meanwhile)."""
+        return self.speculates and not self._probed
+
     def costs(self, measure: bool = False) -> Optional[Costs]:
-        """The decode costs in use (None: not measured yet); measure=True measures them now."""
-        if self._costs is None and measure:
+        """The decode costs in use (None: none yet); measure=True probes them now where they were
+        not probed yet (a first estimate is in use until then)."""
+        if not self._probed and measure:
             self._stash()
             self._measure_costs(lambda: False, attempts=1)
         return self._costs
@@ -134,7 +156,8 @@ class Planner:
             problem = records.costs_problem(costs.verify, costs.draft_token, **evidence)
             if problem is None:
                 break
-        self._costs, self._online_costs = costs, None
+        self._costs, self._online_costs, self._probed = costs, None, True
+        self.costs_from = "probe" if problem is None else "probe, not cached (the machine looked busy)"
         self._v1_live = evidence["v1_repeats"][-3:] if problem is None else []
         if problem is not None:  # used for now, never cached, measured again when idle
             log.warning("%s: the machine looked busy while measuring decode costs (%s); using them for now, not "
@@ -171,9 +194,35 @@ class Planner:
         self.costs_record = {**records.costs_value(corrected.verify, corrected.draft_token),
                              "how": "in use, not cached: live rounds off the cached curve by more than 1.5x"}
         self._costs, self._online_costs = corrected, OnlineCosts(corrected, verify_kv=self.batch_diffs.groups)
+        self.costs_from = "live rounds"
         if not self._drift_probed:  # once: where rounds keep disagreeing with the probe, this object follows them
             self._drift_probed = True
             self._queue_costs_probe()
+
+    @staticmethod
+    def learned_so_far(policy: Policy) -> tuple[int, int]:
+        """(rounds timed, drafts judged) in the figures policy decides from, for sources()."""
+        if not isinstance(policy, Controller):
+            return 0, 0
+        return policy.costs.n_observed, policy.draft_acceptance.n_judged
+
+    def sources(self, policy: Policy, before: tuple[int, int]) -> dict:
+        """Where the figures a request decided from came from: the cache, this process, its own
+        rounds (before: learned_so_far(policy) as it started), or assumptions."""
+        if not isinstance(policy, Controller):
+            return {"decode_costs": "not used (a fixed n_draft, or plain decoding)"}
+        n_timed, n_judged = self.learned_so_far(policy)
+        costs = self.costs_from if not policy.costs.frozen else f"{self.costs_from}, frozen for a seeded request"
+        if n_timed:
+            costs += f"; {n_timed} rounds timed in this process, {n_timed - before[0]} in this request"
+        n_cached = next((self._n_judged_cached[greedy] for greedy, acceptance in self._acceptance.items()
+                         if acceptance is policy.draft_acceptance.pair), 0)  # 0: a seeded request's own
+        if n_judged == 0:
+            acceptance = "assumed: no draft judged yet (hoped for until a few are)"
+        else:
+            acceptance = (f"{n_cached} drafts judged in the cache, " if n_cached else "") + \
+                f"{n_judged - n_cached} in this process, {n_judged - before[1]} in this request"
+        return {"decode_costs": costs, "draft_acceptance": acceptance}
 
     # --- fidelity and reuse, measured on the live conversation when idle ------------------------
 
@@ -320,7 +369,9 @@ class Planner:
             assert isinstance(req.n_draft, int)
             return FixedDraft(min(req.n_draft, limit), has_draft=has_draft, lookup=self.lookup is True,
                               width=req.tree if isinstance(req.tree, int) else 1)
-        if self._costs is None:  # decode plainly until the costs are measured (queued at load)
+        # decode plainly without costs; and a seeded request, whose text must not depend on
+        # what one load's first estimate timed, until a probe's curve is in use
+        if self._costs is None or (req.seeded and not self._probed):
             return FixedDraft(0)
         acceptance: Any
         if req.seeded:  # the same seed must give the same text: decide from the cached curve alone

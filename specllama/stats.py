@@ -59,6 +59,9 @@ class Stats:
     t_total: float = 0.0
     # what the draft controller decided from: its cost estimates and acceptance at the end
     controller: dict = field(default_factory=dict)
+    # where those figures came from: the cache, this process's measurements, this request's
+    # rounds, or assumptions (Planner.sources)
+    sources: dict = field(default_factory=dict)
     # memory measured when each model loaded (RAM + GPU; 0 when not measured, e.g. borrowed),
     # and this process's resident memory when the generation ended
     n_bytes_target: int = 0

@@ -226,7 +226,9 @@ def chat_cmd(choice: ModelChoice, system: Optional[str], gen: GenerateOptions, s
     except ImportError:
         pass
     options = {k: v for k, v in gen.as_kwargs().items() if k != "max_tokens" or _given("max_tokens")}
-    with choice.open() as llm:
+    from ..idle import idle_wanted
+
+    with choice.open(idle_work=idle_wanted(default=True)) as llm:  # measures while the person types
         if llm.target.chat_template() is None:
             raise click.ClickException(f"{llm.target.name} has no chat template in its GGUF; "
                                        "use `specllama run --raw` with a plain prompt")

@@ -83,8 +83,11 @@ def serve_cmd(choice: ModelChoice, host: str, port: int, api_keys: tuple[str, ..
                err=True)
     origins = [o.strip() for o in cors_origins.split(",") if o.strip()]
     share = "auto" if batch_requests is None else batch_requests
-    app = create_app(lambda: choice.open(n_parallel=n_parallel, batch_requests=share), name, list(api_keys),
-                     cors_origins=origins, strict_model=strict_model, n_parallel=n_parallel,
+    from ..idle import idle_wanted
+
+    idle = idle_wanted(default=True)  # a server owns its process: it measures between requests
+    app = create_app(lambda: choice.open(n_parallel=n_parallel, batch_requests=share, idle_work=idle), name,
+                     list(api_keys), cors_origins=origins, strict_model=strict_model, n_parallel=n_parallel,
                      allowed_hosts=hosts, limits=server_limits,
                      cache_scope=cache_scope)
     server = _server(uvicorn.Config(app, host=host, port=port, log_level="info" if choice.verbose else "warning"))

@@ -1,0 +1,86 @@
+"""The first day on a fresh machine, through the Python API: the first request decides from costs
+timed at load and corrected by its own rounds, and a library computes nothing in the background
+unless asked to."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+
+import specllama
+from conftest import SETTINGS
+from prompts import LONG_STORY
+from specllama.calibrate import FIRST_DRAFT_BATCH
+from specllama.limits import MAX_VERIFY
+
+CODE = "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n"
+
+
+@pytest.fixture
+def home(tmp_path, monkeypatch):
+    """An empty calibration folder, as on the first day after install."""
+    monkeypatch.setenv("SPECLLAMA_HOME", str(tmp_path))
+    monkeypatch.delenv("SPECLLAMA_IDLE_WORK", raising=False)
+    return tmp_path
+
+
+def idle_threads() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name == "specllama-idle"]
+
+
+def test_the_first_request_decides_from_a_first_estimate_and_its_own_rounds(model_paths, home, plain):
+    with specllama.load(model_paths["target"], model_paths["draft"], **SETTINGS) as llm:
+        assert llm.planner.costs_from == "first estimate timed at load"
+        costs = llm.planner.costs()
+        assert costs is not None and len(costs.verify) == MAX_VERIFY
+        assert all(b >= a > 0 for a, b in zip(costs.verify, costs.verify[1:]))  # never falling
+        assert costs.draft_batch is not None and costs.draft_batch[0] == FIRST_DRAFT_BATCH
+        assert 0 < costs.draft_token < costs.draft_batch[1]
+        r = llm.generate(CODE, max_tokens=32)
+        # the controller decided (before: a fixed plain policy until a probe ran when idle)
+        assert r.stats.controller["kind"] == "auto" and r.stats.controller["n_observed"] > 0
+        sources = r.stats.sources
+        assert sources["decode_costs"].startswith("first estimate timed at load; ") and "in this request" in sources[
+            "decode_costs"], sources
+        assert any("decode-cost curve" in m for m in r.stats.measurements_pending)
+        expected = plain.generate(CODE, max_tokens=32).tokens
+        first = next((i for i, (a, b) in enumerate(zip(r.tokens, expected)) if a != b), None)
+        assert first is None or first in r.stats.near_tie_positions  # the default level's promise
+        # a seeded request's text must not hang on one load's timings: plain until a probe's curve
+        seeded = llm.generate(CODE, max_tokens=8, temperature=0.7, seed=3)
+        assert seeded.stats.controller == {"kind": "fixed", "n_draft": 0}
+        assert "costs" in llm.warm_up() and llm.planner.costs_from.startswith("probe")
+        again = llm.generate(CODE, max_tokens=8)
+        assert not any("decode-cost curve" in m for m in again.stats.measurements_pending)
+        assert again.stats.sources["decode_costs"].startswith("probe")
+
+
+def test_a_library_load_computes_nothing_in_the_background(model_paths, home, monkeypatch):
+    """A background thread decoding in a library competes with the host's own threads, which
+    idle work cannot see: a llama_cpp.Llama beside an idle SpecLlama ran at 0.61 of its speed."""
+    before = len(idle_threads())
+    with specllama.load(model_paths["target"], model_paths["draft"], **SETTINGS) as llm:
+        llm.generate(LONG_STORY + "Continue the story.", max_tokens=2)  # queues work at its KV length
+        assert llm.idle.pending() and len(idle_threads()) == before
+        assert llm.idle.done == []
+    monkeypatch.setenv("SPECLLAMA_IDLE_WORK", "1")  # asked for, for a whole process tree
+    with specllama.load(model_paths["target"], None, **SETTINGS):
+        assert len(idle_threads()) == before + 1
+    monkeypatch.delenv("SPECLLAMA_IDLE_WORK")
+    with specllama.load(model_paths["target"], None, idle_work=True, **SETTINGS):
+        assert len(idle_threads()) >= before + 1
+
+
+def test_a_first_estimate_fits_the_short_probe_s_passes(model_paths, home):
+    """The verify curve's shape comes from the passes the load's fidelity probe timed: a robust
+    line, so one pass the machine disturbed does not bend it."""
+    from specllama.calibrate import first_costs
+
+    with specllama.load(model_paths["target"], None, idle_work=False, **SETTINGS) as llm, llm.exclusive():
+        seconds = [0.02, 0.03, 0.04, 0.9, 0.06, 0.07]  # the fourth pass disturbed
+        costs, v1 = first_costs(llm.target, None, seconds)
+    assert len(v1) == 3 and costs.v(1) == min(v1) and costs.draft_batch is None
+    line = np.array(costs.verify[1:6])
+    assert np.allclose(np.maximum(line, costs.v(1)), np.maximum([0.03, 0.04, 0.05, 0.06, 0.07], costs.v(1)))
