@@ -107,7 +107,7 @@ def test_requests_at_once(bench_models, target):
                    ("plain, batched", plain, True, "off"), ("spec, batched", batched, True, LEVEL)]
         for _, llm, _, _ in configs:
             llm.warm_up()  # measurements before the clock, not inside it
-        costs = batched.planner.costs()
+        costs = batched.planner.book.get()
         assert costs is not None, "the cost curve was not measured (a busy machine?)"
         for n in COUNTS:
             prompts = [turns.chat_tokens([{"role": "user", "content": ASKS[i % len(ASKS)]}]) for i in range(n)]

@@ -49,7 +49,7 @@ def test_first_day_back_to_back(bench_models, workload, monkeypatch):
                 plain_rates.append(rate(plain.chat(messages, max_tokens=N_TOKENS).stats))
                 calls.append(llm.chat(messages, max_tokens=N_TOKENS))
             llm.warm_up()
-            probed = llm.planner.costs()
+            probed = llm.planner.book.get()
             warm_plain = [rate(plain.chat(messages, max_tokens=N_TOKENS).stats)]
             warm = llm.chat(messages, max_tokens=N_TOKENS)
             warm_plain.append(rate(plain.chat(messages, max_tokens=N_TOKENS).stats))

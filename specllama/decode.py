@@ -108,10 +108,7 @@ def generate_steps(d: Decoding, prompt: Sequence[int]) -> Generator[Step, None, 
             t2 = time.perf_counter()
             # 3. verify: one target pass over [newest token, x_1..x_k], logits for all k+1 rows
             # (a tree: each branch a sequence of its own, so no branch sees another)
-            if r.proposal.tree is None:
-                target.decode([tokens[-1], *r.proposal.tokens], n_logits=len(r.proposal.tokens) + 1)
-            else:
-                target.decode_tree(tokens[-1], r.proposal.tokens, r.proposal.tree)
+            row0 = _verify_pass(d, tokens[-1], r.proposal, n_past)
             t3 = time.perf_counter()
             # 4. accept the agreeing prefix (a tree: the longest agreeing path) plus one target token
             path, next_token, rows = _verify(d, r.proposal)
@@ -123,6 +120,8 @@ def generate_steps(d: Decoding, prompt: Sequence[int]) -> Generator[Step, None, 
             target.truncate(n_past + 1 + len(path), path if r.proposal.tree is not None else None)
             tokens.extend(new)
             _record(d, r, path, new, (t0, t1, t2, t3, time.perf_counter()))
+            if row0 is not None:
+                _check_assumed(d, row0, tokens[n_past], n_past, new[:-1])
             yield step
     finally:
         # interrupted between verify and rollback: drop the unverified rows (a recurrent memory
@@ -231,6 +230,35 @@ def _judge_first_row(gap: float, tolerance: float, stats: Stats) -> None:
         stats.near_ties = None
     elif tolerance > 0 and gap <= tolerance:
         stats.near_tie_positions.insert(0, 0)
+
+
+def _verify_pass(d: Decoding, newest: int, proposal: Proposal, n_past: int) -> Optional[np.ndarray]:
+    """One target pass over [newest, x_1..x_k], logits for every row (a tree: each branch a
+    sequence of its own, so no branch sees another). Where the round's verify limit is assumed
+    and not checked yet (fidelity.Limits.wants_check), a copy of the first row, for
+    _check_assumed; else None."""
+    target = d.target
+    if proposal.tree is None:
+        target.decode([newest, *proposal.tokens], n_logits=len(proposal.tokens) + 1)
+    else:
+        target.decode_tree(newest, proposal.tokens, proposal.tree)
+    checking = proposal.tokens and d.limits.shared is None and d.limits.wants_check(n_past)
+    return target.logits(0).copy() if checking else None
+
+
+def _check_assumed(d: Decoding, row0: np.ndarray, newest: int, n_past: int, accepted: list[int]) -> None:
+    """The first row of a verify pass where the limit is assumed, against the same row decoded
+    alone (once per KV group and process: about two one-row passes, where the probe it stands in
+    for takes 4-8 s here): the target's cache goes back to n_past, decodes newest alone, then the
+    accepted tokens again. A first row further off than half the level's bound ends the
+    assumption (fidelity.DiffTable.assumed)."""
+    target = d.target
+    target.truncate(n_past)
+    target.decode([newest])
+    diff = float(np.max(np.abs(target.logits(0) - row0)))
+    if accepted:
+        target.decode(accepted)
+    d.limits.checked(n_past, diff)
 
 
 def _verify(d: Decoding, proposal: Proposal) -> tuple[list[int], int, list[np.ndarray]]:

@@ -76,7 +76,7 @@ def model_report(llm: Any, n_groups: int = 3) -> dict:
     target, draft = llm.target, llm.draft
     with llm.exclusive():
         fidelity = calibrate_fidelity(target, n_groups)
-        costs = llm.planner.costs(measure=True)
+        costs = llm.planner.book.get(measure=True)
         memory = memory_report(target)
     assert costs is not None  # measured just now
     rows = [{"kv": group_label(kv_group(f.n_kv)), "n_kv": f.n_kv, "max_diff": max(f.diffs, default=0.0),
@@ -92,7 +92,7 @@ def model_report(llm: Any, n_groups: int = 3) -> dict:
                          "draft_token": round(costs.draft_token * 1000, 1),
                          **({"draft_token_after_kv": {costs.draft_kv[0]: round(costs.draft_kv[1] * 1000, 1)}}
                             if costs.draft_kv else {})},
-            "costs_measured": records.describe(llm.planner.costs_record),
+            "costs_measured": records.describe(llm.planner.book.record),
             "verdict": verdict(costs, k_max, draft is not None),
             "slots": {"n_max": llm.pool.slots.n_max, "note": llm.pool.slots.note,
                       "batch_requests": sharing_report(llm), "prefill_pieces": pieces_report(llm)}}

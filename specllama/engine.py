@@ -95,7 +95,7 @@ class SpecLlama(LlamaApi, BatchApi):
             with self._models, PROCESS.busy():
                 self.planner.measure_short((self.level,), batching=bool(batch_requests))
                 if self.speculates:
-                    self.planner.check_cached_costs()
+                    self.planner.book.check_cached()
         self.sharing: Optional[Sharing] = None  # requests' rows in shared passes (sharing.py)
         # why requests do not share passes ("" where they do, or were not asked to)
         self.sharing_note = (slots.note or why_not_shared(target, draft, slots.n_max)) if batch_requests else ""
@@ -116,7 +116,7 @@ class SpecLlama(LlamaApi, BatchApi):
         were not yet (cached per machine)."""
         self._check_open()
         with self._models:
-            return self.planner.costs(measure=True)
+            return self.planner.book.get(measure=True)
 
     def warm_up(self) -> list[str]:
         """Run, now, the measurements this object would otherwise make when idle (the short
@@ -315,10 +315,7 @@ class SpecLlama(LlamaApi, BatchApi):
                 _finish_stats(stats, req, tokens, finish, matcher.stopped, limits, policy, t_start,
                               slot.target.n_replayed - n_replayed, self.target, self.draft)
                 stats.slot = slot.index
-                stats.sources = self.planner.sources(policy, learned_before)
-                if req.n_draft == "auto" and self.planner.costs_pending:
-                    stats.measurements_pending.append("the decode-cost curve (a first estimate and the rounds' timings "
-                                                      "stand in)")
+                self.planner.account(stats, req, policy, learned_before)
                 outcome.result = Result("".join(texts), tokens, finish, stats, matcher.matched)
                 self.planner.learned(policy)
                 if slot.index == 0 and not slot.lane:  # the planner measures on the first slot's contexts

@@ -21,6 +21,7 @@ A float bound is also accepted: sizes that differ by at most that many logits.
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -31,6 +32,8 @@ import numpy as np
 from .errors import InvalidParameterError
 from .limits import MAX_VERIFY
 from .runtime.batches import KV_PAD, kv_length
+
+log = logging.getLogger("specllama")
 
 # Measured with `specllama calibrate` on our 2-core CPUs (Intel Sapphire Rapids, AMD EPYC): F16
 # rows differ by float rounding, 0.008-0.05 up to KV length 1024 and 0.105-0.129 at 1280-2048,
@@ -152,9 +155,29 @@ class DiffTable:
         self._missing = missing
         self.n_ctx = n_ctx
         self.groups: Groups[BatchDiffs] = Groups(cached)
+        # group -> how far a verify pass's first row strayed from the same row decoded alone,
+        # checked once on a live round where the group's limit is assumed (assumed())
+        self.checked: dict[int, float] = {}
 
     def known(self, group: int) -> Optional[BatchDiffs]:
         return self.groups.lookup(group)
+
+    def assumed(self, group: int, bound: float) -> Optional[int]:
+        """The limit a KV group not measured yet takes meanwhile: the nearest shorter measured
+        group's, at a level that allows a difference (bound > 0), unless the live check found
+        its rows more than half the bound off; None: plain decoding there until measured. On
+        our CPU, F16 rows differ by 0.008-0.05 logits up to KV 1024 and 0.105-0.129 at 1280-2048:
+        what a batch does to a row is mostly the kernel path its size takes, which the short
+        context measured; the check catches a longer context's other path (Q4_K rows differ by
+        0.47-0.82 wherever one runs)."""
+        # a longer context's other path found at one group runs at every longer one too
+        if bound <= 0 or group == 0 or any(self.checked.get(g, 0.0) > bound / 2 for g in range(1, group + 1)):
+            return None
+        for shorter in range(group - 1, -1, -1):
+            have = self.known(shorter)
+            if have is not None and have.covers(bound):
+                return have.largest_batch(bound)
+        return None
 
     def get(self, n_past: int, bound: float) -> Optional[BatchDiffs]:
         """Measurements for a verify starting at n_past, or what is known of them."""
@@ -225,14 +248,37 @@ class Limits:
             return UNLIMITED
         diffs = self.table.get(n_past, self.level.bound)
         n_kv = kv_length(n_past + 1, self.table.n_ctx)
-        # 1 (plain decoding, which risks nothing) until the probe has run, when the process is idle
-        limit = 1 if diffs is None else diffs.largest_batch(self.level.bound)
-        self.used[group_label(kv_group(n_kv))] = limit
+        group = kv_group(n_kv)
+        # until the probe has run (when the process is idle, or in warm_up()): a shorter
+        # context's limit where the level allows a difference, else 1 (plain decoding)
+        assumed = self.table.assumed(group, self.level.bound) if diffs is None else None
+        limit = diffs.largest_batch(self.level.bound) if diffs is not None else assumed or 1
+        self.used[group_label(group)] = limit
         if diffs is None:
-            self.waiting.add(f"the verify limit at {group_label(kv_group(n_kv))}")
+            self.waiting.add(f"the verify limit at {group_label(group)}" + (
+                "" if assumed is None else f" (a shorter context's assumed, near-ties judged with an assumed "
+                                           f"{self.level.bound:g} logits)"))
         # a batch past the padding step would attend over a longer KV than its single-token
         # rows did, which past 512 is another kernel path
         return min(limit, n_kv - n_past)
+
+    def wants_check(self, n_past: int) -> bool:
+        """Whether a verify pass from n_past runs where the limit is assumed and unchecked."""
+        if not self.level.limited or self.table is None:
+            return False
+        group = kv_group(kv_length(n_past + 1, self.table.n_ctx))
+        return group not in self.table.checked and self.table.groups.get(group) is None and \
+            self.table.assumed(group, self.level.bound) is not None
+
+    def checked(self, n_past: int, diff: float) -> None:
+        """A live round's first row differed by diff from the same row decoded alone."""
+        assert self.table is not None
+        group = kv_group(kv_length(n_past + 1, self.table.n_ctx))
+        self.table.checked[group] = diff
+        if diff > self.level.bound / 2:
+            log.info("at %s a verify pass's first row differs from single-token decoding by %.3g logits, past half "
+                     "the %s level's bound: plain decoding there until the limit is measured", group_label(group),
+                     diff, self.level)
 
     def tolerance(self, n_past: int, n_batch: int) -> float:
         """Twice the largest difference rows of this batch may carry (0: bitwise; NaN at an
@@ -242,6 +288,10 @@ class Limits:
         group = kv_group(kv_length(n_past + 1, self.table.n_ctx))
         diffs = self.table.groups.get(group)
         d = diffs.diff(n_batch) if diffs is not None and n_batch > 1 else 0.0
+        if diffs is None and n_batch > 1 and self.table.assumed(group, self.level.bound) is not None:
+            # an assumed limit's rows: as far off as the level allows once a live round's check
+            # agreed, and until then (the check's own round) as far as any path here strays
+            d = self.level.bound if group in self.table.checked else max(self.level.bound, ASSUMED_REUSE_DIFF)
         self._drift = max(self._drift, d)
         # rows on a reused cache and rows of a verify batch each stray from plain decoding on
         # a fresh prefill; the two differences add up at most

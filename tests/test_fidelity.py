@@ -73,8 +73,35 @@ def test_a_kv_group_not_measured_is_asked_for_and_decodes_plainly_meanwhile():
     table.groups[0] = Q4  # the idle work ran
     assert table.get(100, 0.0) is Q4 and measured.calls == [(0, 0.0)]
     assert table.get(300, 0.0) is None and measured.calls[-1] == (300, 0.0)
-    limits = Limits(parse_level("rounding"), table)
+    limits = Limits(parse_level("bitwise"), table)
     assert limits.max_batch(300) == 1 and any("KV <= 512" in w for w in limits.waiting)
+    assert not limits.wants_check(300)  # bitwise assumes nothing
+
+
+def test_a_kv_group_not_measured_takes_a_shorter_one_s_limit_where_the_level_allows_a_difference():
+    measured = Measured({0: F16})
+    limits = Limits(parse_level("rounding"), measured.table())
+    assert limits.max_batch(300) == MAX_VERIFY and measured.calls == [(300, ROUNDING_BOUND)]  # still asked for
+    assert any("KV <= 512" in w and "assumed" in w for w in limits.waiting)
+    # the round that checks it judges near-ties as a reused cache's unmeasured rows are judged
+    assert limits.wants_check(300) and limits.tolerance(300, 4) == 2 * ASSUMED_REUSE_DIFF
+    limits.checked(300, 0.02)
+    after = Limits(parse_level("rounding"), limits.table)
+    assert not after.wants_check(300) and after.max_batch(300) == MAX_VERIFY
+    assert after.tolerance(300, 4) == 2 * ROUNDING_BOUND  # as far off as the level allows
+    assert after.tolerance(10, 1) == 2 * ROUNDING_BOUND  # and the drift stays
+    assert Limits(parse_level("bitwise"), measured.table()).max_batch(300) == 1
+
+
+def test_a_live_check_past_half_the_bound_ends_the_assumption_there_and_further_out():
+    measured = Measured({0: Q4})
+    limits = Limits(parse_level("rounding"), measured.table())
+    assert limits.max_batch(300) == 3 and limits.max_batch(600) == 3
+    limits.checked(300, 0.59)  # Q4_K rows on another path at KV 512
+    assert limits.max_batch(300) == 1 and limits.max_batch(600) == 1 and limits.max_batch(10) == 3
+    assert not limits.wants_check(600)
+    limits.table.groups[1] = Q4_LONG  # the probe ran when idle: its measurement decides
+    assert limits.max_batch(300) == 1 and limits.tolerance(300, 1) == 0.0
 
 
 def test_what_is_cached_is_read_once_not_per_round():

@@ -32,8 +32,8 @@ def idle_threads() -> list[threading.Thread]:
 
 def test_the_first_request_decides_from_a_first_estimate_and_its_own_rounds(model_paths, home, plain):
     with specllama.load(model_paths["target"], model_paths["draft"], **SETTINGS) as llm:
-        assert llm.planner.costs_from == "first estimate timed at load"
-        costs = llm.planner.costs()
+        assert llm.planner.book.source == "first estimate timed at load"
+        costs = llm.planner.book.get()
         assert costs is not None and len(costs.verify) == MAX_VERIFY
         assert all(b >= a > 0 for a, b in zip(costs.verify, costs.verify[1:]))  # never falling
         assert costs.draft_batch is not None and costs.draft_batch[0] == FIRST_DRAFT_BATCH
@@ -51,7 +51,7 @@ def test_the_first_request_decides_from_a_first_estimate_and_its_own_rounds(mode
         # a seeded request's text must not hang on one load's timings: plain until a probe's curve
         seeded = llm.generate(CODE, max_tokens=8, temperature=0.7, seed=3)
         assert seeded.stats.controller == {"kind": "fixed", "n_draft": 0}
-        assert "costs" in llm.warm_up() and llm.planner.costs_from.startswith("probe")
+        assert "costs" in llm.warm_up() and llm.planner.book.source.startswith("probe")
         again = llm.generate(CODE, max_tokens=8)
         assert not any("decode-cost curve" in m for m in again.stats.measurements_pending)
         assert again.stats.sources["decode_costs"].startswith("probe")
@@ -84,3 +84,23 @@ def test_a_first_estimate_fits_the_short_probe_s_passes(model_paths, home):
     assert len(v1) == 3 and costs.v(1) == min(v1) and costs.draft_batch is None
     line = np.array(costs.verify[1:6])
     assert np.allclose(np.maximum(line, costs.v(1)), np.maximum([0.03, 0.04, 0.05, 0.06, 0.07], costs.v(1)))
+
+
+def test_past_the_short_context_a_script_drafts_on_an_assumed_limit_a_live_round_checks(model_paths, home, plain):
+    """No idle time, so no probe at KV 257-512: where the level allows a difference, rounds
+    there take the short context's limit, one round's first row is checked against the same
+    row decoded alone, and near-ties are judged with an assumed difference; the output is
+    plain decoding's but at near-ties counted."""
+    prompt = LONG_STORY + "Continue the story."
+    expected = plain.generate(prompt, max_tokens=40).tokens
+    with specllama.load(model_paths["target"], model_paths["draft"], **SETTINGS) as llm:
+        short = llm.batch_diffs.known(0)
+        assert short is not None and short.largest_batch(0.25) > 1
+        r = llm.generate(prompt, max_tokens=40, n_draft=2)
+        assert 256 < r.stats.n_prompt < 500 and 1 in llm.batch_diffs.checked, llm.batch_diffs.checked
+        assert any("KV <= 512" in m and "assumed" in m for m in r.stats.measurements_pending)
+        diff, used = llm.batch_diffs.checked[1], r.stats.verify_limits["KV <= 512"]
+        # within half the bound the assumption stands; past it, plain decoding there
+        assert used == (short.largest_batch(0.25) if diff <= 0.125 else 1), (diff, used)
+        first = next((i for i, (a, b) in enumerate(zip(r.tokens, expected)) if a != b), None)
+        assert first is None or first in r.stats.near_tie_positions

@@ -41,7 +41,7 @@ def load_taking_the_cached_curve(open_llm, attempts: int = 4, pause: float = 10.
     either way: the test's asserts then say what was wrong."""
     for _ in range(attempts - 1):
         llm = open_llm()
-        if llm.planner.costs_from == "cached probe":
+        if llm.planner.book.source == "cached probe":
             return llm
         llm.close()
         time.sleep(pause)
@@ -55,8 +55,8 @@ def test_a_curve_a_busy_machine_wrote_is_measured_again(model_paths, home, quiet
     records.write(key, records.costs_value(curve, BUSY_DRAFT), "a busy machine")
     with load(model_paths) as llm:
         # not trusted: the load's first estimate stands in, timed on this machine as it is
-        assert llm.planner.costs_from == "first estimate timed at load"
-        first = llm.planner.costs()
+        assert llm.planner.book.source == "first estimate timed at load"
+        first = llm.planner.book.get()
         assert first is not None and first.v(1) < 0.5 < curve[0] and first.draft_token < 0.5
         assert "the decode-cost curve" in llm.idle.pending()
         r = llm.generate("def f(x):", max_tokens=8)
@@ -66,7 +66,7 @@ def test_a_curve_a_busy_machine_wrote_is_measured_again(model_paths, home, quiet
             llm.warm_up()
             if "the decode-cost curve" not in llm.idle.pending():
                 break
-        costs = llm.planner.costs()
+        costs = llm.planner.book.get()
         assert costs is not None and costs.v(1) < 0.5 < curve[0] and costs.draft_token < 0.5
         assert llm.generate("def f(x):", max_tokens=24).stats.controller["v_ms"][1] < 500
     stored = records.read(key)
@@ -77,7 +77,7 @@ def slower_rounds(llm, probed) -> None:
     """A generation, then what its rounds would have timed on a machine twice as slow as the
     probe's curve (passes of 2-5 rows, and now and then one), in the costs it decided from."""
     llm.generate("def f(x):", max_tokens=4)
-    online = llm.planner._online_costs
+    online = llm.planner.book.online
     assert online is not None
     for i in range(40):
         n = 2 + i % 4
@@ -94,21 +94,21 @@ def test_rounds_that_contradict_the_curve_are_followed_and_the_cache_gets_a_prob
     The curve is probed again when idle, once per object."""
     with load(model_paths, idle_work=False) as llm:
         key = calibrate.costs_key(llm.target, llm.draft)
-        probed = llm.planner.costs(measure=True)
+        probed = llm.planner.book.get(measure=True)
         written = records.read(key)
         assert probed is not None and written is not None and written["how"] == "probe while idle"
         slower_rounds(llm, probed)
         llm.generate("def g(y):", max_tokens=4)  # learned() after it: the curve drifted
-        assert llm.planner.costs().v(3) > 1.5 * probed.v(3)  # followed at once
-        assert llm.planner.costs_record["how"].startswith("in use, not cached")
+        assert llm.planner.book.get().v(3) > 1.5 * probed.v(3)  # followed at once
+        assert llm.planner.book.record["how"].startswith("in use, not cached")
         assert records.read(key) == written  # the disk keeps the probe's curve
         assert "the decode-cost curve" in llm.idle.pending()
         assert "costs" in llm.warm_up()
         assert records.read(key)["measured_at"] != written["measured_at"]
-        assert llm.planner.costs().v(3) < 1.5 * probed.v(3)  # the probe's again
+        assert llm.planner.book.get().v(3) < 1.5 * probed.v(3)  # the probe's again
         slower_rounds(llm, probed)  # the rounds still disagree: followed, not probed again
         llm.generate("def g(y):", max_tokens=4)
-        assert llm.planner.costs().v(3) > 1.5 * probed.v(3) and llm.idle.pending() == []
+        assert llm.planner.book.get().v(3) > 1.5 * probed.v(3) and llm.idle.pending() == []
 
 
 def test_a_curve_cached_before_the_draft_s_batch_was_timed_is_used_and_completed_when_idle(model_paths, home,
@@ -117,17 +117,17 @@ def test_a_curve_cached_before_the_draft_s_batch_was_timed_is_used_and_completed
     by the target's curve (a sixth of their time, F16 beside the 0.5B draft) for good."""
     with load(model_paths) as llm:
         key = calibrate.costs_key(llm.target, llm.draft)
-        assert llm.planner.costs(measure=True) is not None
+        assert llm.planner.book.get(measure=True) is not None
     record = records.read(key)
     assert record is not None and records.draft_batch(record) is not None
     older = {k: v for k, v in record.items() if k not in ("draft_batch", "how", "measured_at")}
     records.write(key, older, "an earlier version")
     with load_taking_the_cached_curve(lambda: load(model_paths)) as llm:
-        costs = llm.planner.costs()
+        costs = llm.planner.book.get()
         assert costs is not None and costs.draft_batch is None  # used meanwhile: it is sound
         assert "the decode-cost curve" in llm.idle.pending()
         llm.warm_up()
-        costs = llm.planner.costs()
+        costs = llm.planner.book.get()
         assert costs is not None and costs.draft_batch is not None
     assert records.draft_batch(records.read(key)) is not None
 
@@ -155,12 +155,12 @@ def test_the_draft_s_step_is_timed_at_a_long_conversation_s_length_when_idle(mod
         assert list(llm.draft.cached) == conversation  # caught up, and as it was after the timing
         timed = records.draft_kv(records.read(key))
         assert timed is not None and timed[0] == len(conversation) >= 512 and 0 < timed[1] < 5
-        assert llm.planner.costs().draft_kv == timed
+        assert llm.planner.book.get().draft_kv == timed
         llm.generate(prompt, max_tokens=8, n_draft=0)  # the same length again: nothing more to time
         assert "the draft catching up with the conversation" not in llm.idle.pending()
     assert records.draft_kv(records.read(key)) == timed  # kept for the next load
     with load_taking_the_cached_curve(lambda: load(model_paths, idle_work=False)) as llm:
-        assert llm.planner.costs() is not None and llm.planner.costs().draft_kv == timed
+        assert llm.planner.book.get() is not None and llm.planner.book.get().draft_kv == timed
 
 
 def test_the_draft_catches_up_in_pieces_a_request_stops_between(model_paths, home, quiet_process, monkeypatch):
@@ -208,8 +208,8 @@ def test_calibrate_writes_what_run_then_uses(model_paths, home):
                                                                  n_ctx=n_ctx, n_threads=2)) as llm:
             written = records.read(calibrate.costs_key(llm.target, llm.draft))
             assert written is not None and written["how"] == "specllama calibrate", n_ctx  # the key run reads
-            record, pending, known = llm.planner.costs_record, llm.idle.pending(), llm.batch_diffs.known(0)
-            costs = llm.planner._costs
+            record, pending, known = llm.planner.book.record, llm.idle.pending(), llm.batch_diffs.known(0)
+            costs = llm.planner.book.curve
         assert record is not None and record["how"] == "specllama calibrate", n_ctx
         assert pending == [] and known is not None, (n_ctx, pending)
         # the draft's own batch, timed: its prefill and catch-ups are priced from it
