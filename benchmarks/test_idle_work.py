@@ -49,7 +49,8 @@ def _next_turn_wait(llm, trial: int, delay: float) -> float:
 
 
 def test_a_next_turn_waits_for_the_draft_s_catch_up_a_piece_at_most(bench_models):
-    with specllama.load(bench_models["target"], bench_models["draft"], n_ctx=4096, n_threads=N_THREADS) as llm:
+    with specllama.load(bench_models["target"], bench_models["draft"], n_ctx=4096, n_threads=N_THREADS,
+                        idle_work=True) as llm:
         llm.warm_up()
         measure_pieces(llm.pool.pieces, (llm.draft,))  # cached per machine; measured here if not yet
         n_piece = llm.pool.n_piece(llm.draft)

@@ -51,6 +51,7 @@ class Turns:
         self._cv = threading.Condition()
         self._holder: Optional[int] = None  # the thread holding the turn
         self._queue: deque[object] = deque()
+        self._lost: set[int] = set()  # threads whose pass_turn() was interrupted before taking it back
 
     @property
     def _held(self) -> bool:
@@ -77,12 +78,18 @@ class Turns:
             return True
 
     def release(self) -> None:
-        """Give the turn up; a no-op for a thread not holding it (one whose pass_turn() was
-        interrupted while it waited to take the turn back)."""
+        """Give the turn up. RuntimeError for a thread not holding it, but once after its
+        pass_turn() was interrupted while it waited to take the turn back (its with-block's
+        release then has nothing to give up)."""
+        me = threading.get_ident()
         with self._cv:
-            if self._holder == threading.get_ident():
+            if self._holder == me:
                 self._holder = None
                 self._cv.notify_all()
+            elif me in self._lost:
+                self._lost.discard(me)
+            else:
+                raise RuntimeError("the models' turn released by a thread that does not hold it")
 
     def n_waiting(self) -> int:
         """Threads waiting for the turn."""
@@ -101,7 +108,12 @@ class Turns:
             if not self._queue or self._holder != threading.get_ident():
                 return
         self.release()
-        self.acquire()
+        try:
+            self.acquire()
+        except BaseException:  # not holding it now: the caller's release has nothing to give up
+            with self._cv:
+                self._lost.add(threading.get_ident())
+            raise
 
     def __enter__(self) -> "Turns":
         self.acquire()

@@ -76,6 +76,35 @@ def test_turns_are_handed_out_in_arrival_order():
     turns.release()
 
 
+def test_a_turn_released_by_a_thread_not_holding_it_raises_but_after_an_interrupted_pass():
+    """A wrong release is a bug to see, not to swallow: one that went unnoticed would let two
+    threads decode in the same context. The one release allowed: a thread interrupted while it
+    waited to take the turn back in pass_turn() holds nothing for its with-block to give up."""
+    turns = Turns()
+    with pytest.raises(RuntimeError, match="does not hold"):
+        turns.release()
+    turns.acquire()
+    waiter = threading.Thread(target=lambda: (turns.acquire(), time.sleep(0.3), turns.release()))
+    waiter.start()
+    while not turns.n_waiting():
+        time.sleep(0.01)
+    original = turns.acquire
+
+    def acquire_interrupted(blocking: bool = True) -> bool:
+        raise KeyboardInterrupt  # Ctrl-C while waiting to take the turn back
+
+    turns.acquire = acquire_interrupted  # type: ignore[method-assign]
+    with pytest.raises(KeyboardInterrupt):
+        turns.pass_turn()
+    turns.acquire = original  # type: ignore[method-assign]
+    turns.release()  # the with-block's release: nothing to give up, once
+    with pytest.raises(RuntimeError, match="does not hold"):
+        turns.release()
+    waiter.join(5)
+    assert turns.acquire(blocking=False)
+    turns.release()
+
+
 def test_four_greedy_requests_at_once_each_equal_their_solo_run(pair, plain, prompts):
     """Different prompts and two identical ones, at the bitwise level: each equals plain
     decoding of its prompt alone, and they really ran side by side (four slots)."""

@@ -129,7 +129,7 @@ def calibrate_cmd(choice: ModelChoice, kv_groups: int, fresh: bool, as_json: boo
     with choice.open() as llm, llm.exclusive():
         fidelity = calibrate_fidelity(llm.target, kv_groups, fresh=fresh)
         key = costs_key(llm.target, llm.draft)
-        record = None if fresh else llm.planner.book.record
+        record = None if fresh or not llm.planner.book.probed else llm.planner.book.record  # a probe's only
         for _ in range(3 if record is None else 0):  # a busy moment passes: measure again
             costs, evidence = measure_costs(llm.target, llm.draft, MAX_VERIFY)
             problem = records.costs_problem(costs.verify, costs.draft_token, **evidence)

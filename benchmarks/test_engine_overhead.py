@@ -1,0 +1,202 @@
+"""The engine's own time per drafted token and per verify pass, against a raw ctypes loop.
+
+    .venv/bin/python -m pytest benchmarks/test_engine_overhead.py -s
+
+A stand-in for fast hardware: the tiny 2-layer attention model of scripts/tiny_models.py (Qwen's
+real 151,936-token vocabulary, random weights) as target and a perturbed copy of it as draft,
+2 threads, 256 greedy tokens: a token costs about what a GPU's does, so whatever the engine
+spends outside llama.cpp shows. Measured in one process, the minimum of N_REPEATS alternated runs:
+
+- raw plain: llama_decode one token, argmax of its row, repeat (ctypes, no specllama);
+- raw chain: the same llama.cpp calls specllama's chain rounds make (the draft's k steps, each
+  a one-token decode and an argmax; one verify pass of k + 1 rows, an argmax per row; both
+  caches cut back to what was accepted), with its own acceptance;
+- specllama plain (n_draft=0) and specllama chain (n_draft=k, tree=1, exact="off"), every
+  llama_decode it makes timed, so the engine's own time is the rest: per drafted token (the
+  draft phase's) and per verify pass (the rest of the round).
+
+The speedup the llama.cpp time allows is raw plain's rate against raw chain's at specllama's
+acceptance (tokens a round), which the engine reaches when its own time is zero.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import llama_cpp
+import numpy as np
+
+import specllama
+from specllama.runtime import decoder
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "scripts"))
+import fetch_models  # noqa: E402
+import tiny_models  # noqa: E402
+
+N_TOKENS = int(os.environ.get("SPECLLAMA_BENCH_TOKENS", "256"))
+N_THREADS = int(os.environ.get("SPECLLAMA_BENCH_THREADS", "2"))
+N_REPEATS = int(os.environ.get("SPECLLAMA_BENCH_REPEATS", "3"))
+K = 4
+PERTURB = 0.05  # the draft's noise: it agrees on most tokens, as a same-family draft does
+PROMPT = list(range(1000, 1064))
+
+
+def stand_in_pair() -> tuple[Path, Path]:
+    out = Path(tempfile.gettempdir()) / f"specllama-overhead-{PERTURB}"
+    out.mkdir(exist_ok=True)
+    fields = None
+    paths = []
+    for name, perturb in (("target", 0.0), ("draft", PERTURB)):
+        path = out / f"tiny-{name}.gguf"
+        if not path.exists():
+            fields = fields or tiny_models.tokenizer_fields(fetch_models.path_of("draft"))
+            tiny_models.write_attention(fields, path.with_suffix(".partial"), perturb=perturb)
+            path.with_suffix(".partial").rename(path)
+        paths.append(path)
+    return paths[0], paths[1]
+
+
+class Raw:
+    """A model, a context and a batch through llama_cpp's C API alone."""
+
+    def __init__(self, path: Path):
+        params = llama_cpp.llama_model_default_params()
+        self.model = llama_cpp.llama_model_load_from_file(str(path).encode(), params)
+        cparams = llama_cpp.llama_context_default_params()
+        cparams.n_ctx, cparams.n_batch, cparams.n_ubatch = 1024, 512, 512
+        cparams.n_threads = cparams.n_threads_batch = N_THREADS
+        self.ctx = llama_cpp.llama_init_from_model(self.model, cparams)
+        self.batch = llama_cpp.llama_batch_init(512, 0, 1)
+        self.n_vocab = llama_cpp.llama_vocab_n_tokens(llama_cpp.llama_model_get_vocab(self.model))
+        self.n_past = 0
+
+    def decode(self, tokens: list[int], all_rows: bool = False) -> None:
+        b = self.batch
+        b.n_tokens = len(tokens)
+        for i, token in enumerate(tokens):
+            b.token[i], b.pos[i], b.n_seq_id[i] = token, self.n_past + i, 1
+            b.seq_id[i][0] = 0
+            b.logits[i] = all_rows or i == len(tokens) - 1
+        assert llama_cpp.llama_decode(self.ctx, b) == 0
+        self.n_past += len(tokens)
+
+    def argmax(self, row: int) -> int:
+        ptr = llama_cpp.llama_get_logits_ith(self.ctx, row)
+        return int(np.argmax(np.ctypeslib.as_array(ctypes.cast(ptr, ctypes.POINTER(ctypes.c_float)),
+                                                   shape=(self.n_vocab,))))
+
+    def cut(self, n_keep: int) -> None:
+        llama_cpp.llama_memory_seq_rm(llama_cpp.llama_get_memory(self.ctx), 0, n_keep, -1)
+        self.n_past = n_keep
+
+    def close(self) -> None:
+        llama_cpp.llama_batch_free(self.batch)
+        llama_cpp.llama_free(self.ctx)
+        llama_cpp.llama_model_free(self.model)
+
+
+def raw_plain(target: Raw) -> float:
+    """Seconds per generated token."""
+    target.cut(0)
+    target.decode(PROMPT)
+    token, t0 = target.argmax(-1), time.perf_counter()
+    for _ in range(N_TOKENS - 1):
+        target.decode([token])
+        token = target.argmax(-1)
+    return (time.perf_counter() - t0) / (N_TOKENS - 1)
+
+
+def raw_chain(target: Raw, draft: Raw) -> tuple[float, float]:
+    """(seconds per generated token, tokens a round) of greedy chains of K drafts."""
+    for model in (target, draft):
+        model.cut(0)
+        model.decode(PROMPT)
+    tokens, n_rounds = [*PROMPT, target.argmax(-1)], 0
+    t0 = time.perf_counter()
+    while len(tokens) - len(PROMPT) < N_TOKENS:
+        n_past = len(tokens) - 1
+        draft.cut(n_past)
+        drafts, last = [], tokens[-1]
+        for _ in range(K):
+            draft.decode([last])
+            last = draft.argmax(-1)
+            drafts.append(last)
+        target.decode([tokens[-1], *drafts], all_rows=True)
+        n_ok = 0
+        while n_ok < K and target.argmax(n_ok) == drafts[n_ok]:
+            n_ok += 1
+        tokens += [*drafts[:n_ok], target.argmax(n_ok)]
+        target.cut(n_past + 1 + n_ok)
+        n_rounds += 1
+    n_new = len(tokens) - len(PROMPT) - 1
+    return (time.perf_counter() - t0) / n_new, n_new / n_rounds
+
+
+def _address(pointer) -> int:
+    return ctypes.cast(pointer, ctypes.c_void_p).value or 0
+
+
+def spec_run(llm, **options) -> dict:
+    """One generation with every llama_decode timed, by the context it decoded in."""
+    spent = {"draft": 0.0, "target": 0.0}
+    which = {_address(llm.draft._ctx.ptr): "draft"} if llm.draft is not None else {}
+    real = decoder._decode
+
+    def timed(ctx, batch):
+        t0 = time.perf_counter()
+        try:
+            return real(ctx, batch)
+        finally:
+            spent[which.get(_address(ctx), "target")] += time.perf_counter() - t0
+
+    decoder._decode = timed
+    try:
+        r = llm.generate(PROMPT, max_tokens=N_TOKENS, **options)
+    finally:
+        decoder._decode = real
+    s = r.stats
+    n_new = s.n_generated - 1
+    return {"per_token": (s.t_decode + s.t_draft_prefill) / n_new, "rounds": s.n_rounds, "drafted": s.n_drafted,
+            "tokens_per_round": s.tokens_per_round, "t_draft": s.t_draft, "t_verify": s.t_verify,
+            "t_decode": s.t_decode, "llama_draft": spent["draft"], "llama_target": spent["target"], "tokens": r.tokens}
+
+
+def test_engine_overhead_per_drafted_token_and_per_verify_pass():
+    target_path, draft_path = stand_in_pair()
+    settings = dict(n_ctx=1024, n_threads=N_THREADS, idle_work=False)
+    raw_target, raw_draft = Raw(target_path), Raw(draft_path)
+    with specllama.load(target_path, None, **settings) as plain, \
+            specllama.load(target_path, draft_path, exact="off", **settings) as pair:
+        runs: dict[str, list] = {"raw plain": [], "raw chain": [], "plain": [], "chain": []}
+        for _ in range(N_REPEATS):
+            runs["raw plain"].append(raw_plain(raw_target))
+            runs["raw chain"].append(raw_chain(raw_target, raw_draft))
+            runs["plain"].append(spec_run(plain))
+            runs["chain"].append(spec_run(pair, n_draft=K, tree=1))
+    raw_target.close()
+    raw_draft.close()
+    raw_plain_s = min(runs["raw plain"])
+    raw_chain_s, raw_tpr = min(runs["raw chain"])
+    plain_s = min(r["per_token"] for r in runs["plain"])
+    chain = min(runs["chain"], key=lambda r: r["per_token"])
+    draft_own = (chain["t_draft"] - chain["llama_draft"]) / max(chain["drafted"], 1)
+    verify_own = (chain["t_decode"] - chain["t_draft"] - chain["llama_target"]) / max(chain["rounds"], 1)
+    # what the llama.cpp calls alone allow at specllama's acceptance: its decode time per token
+    floor = (chain["llama_draft"] + chain["llama_target"]) / (len(chain["tokens"]) - 1)
+    print(f"\nstand-in pair, {N_THREADS} threads, {N_TOKENS} greedy tokens, min of {N_REPEATS}:")
+    print(f"  raw plain        {raw_plain_s * 1e3:6.3f} ms a token")
+    print(f"  specllama plain  {plain_s * 1e3:6.3f} ms a token ({plain_s / raw_plain_s:.2f}x raw)")
+    print(f"  raw chain k={K}    {raw_chain_s * 1e3:6.3f} ms a token, {raw_tpr:.2f} tokens a round "
+          f"({raw_plain_s / raw_chain_s:.2f}x raw plain)")
+    print(f"  specllama chain  {chain['per_token'] * 1e3:6.3f} ms a token, {chain['tokens_per_round']:.2f} tokens a "
+          f"round ({raw_plain_s / chain['per_token']:.2f}x raw plain; its llama.cpp calls alone allow "
+          f"{raw_plain_s / floor:.2f}x)")
+    print(f"  engine's own: {draft_own * 1e3:.3f} ms a drafted token, {verify_own * 1e3:.3f} ms a verify pass "
+          f"({chain['drafted']} drafted, {chain['rounds']} rounds)")
+    assert chain["drafted"] > 0 and chain["llama_draft"] > 0
