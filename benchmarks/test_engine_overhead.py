@@ -117,22 +117,22 @@ def raw_chain(target: Raw, draft: Raw) -> tuple[float, float]:
     for model in (target, draft):
         model.cut(0)
         model.decode(PROMPT)
-    tokens, n_rounds = [*PROMPT, target.argmax(-1)], 0
+    tokens, n_rounds = [*PROMPT, target.argmax(-1)], 0  # the draft holds the prompt
     t0 = time.perf_counter()
     while len(tokens) - len(PROMPT) < N_TOKENS:
         n_past = len(tokens) - 1
-        draft.cut(n_past)
-        drafts, last = [], tokens[-1]
-        for _ in range(K):
-            draft.decode([last])
-            last = draft.argmax(-1)
-            drafts.append(last)
+        draft.decode(tokens[draft.n_past:])  # what it lacks: the newest token, after a full accept two
+        drafts = [draft.argmax(-1)]
+        for _ in range(K - 1):
+            draft.decode(drafts[-1:])
+            drafts.append(draft.argmax(-1))
         target.decode([tokens[-1], *drafts], all_rows=True)
         n_ok = 0
         while n_ok < K and target.argmax(n_ok) == drafts[n_ok]:
             n_ok += 1
         tokens += [*drafts[:n_ok], target.argmax(n_ok)]
         target.cut(n_past + 1 + n_ok)
+        draft.cut(n_past + 1 + min(n_ok, K - 1))  # it holds the newest and its first K - 1 drafts
         n_rounds += 1
     n_new = len(tokens) - len(PROMPT) - 1
     return (time.perf_counter() - t0) / n_new, n_new / n_rounds

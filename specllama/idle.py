@@ -30,6 +30,7 @@ from typing import Any, Optional
 
 from .cores import SPARE_CORES, OthersArrive, cores_used_by_others
 from .runtime.batches import Interrupted
+from .runtime.decoder import DECODER
 
 log = logging.getLogger("specllama")
 
@@ -75,6 +76,8 @@ class _Process:
             with self._cv:
                 self._n_active -= 1
                 self._cv.notify_all()
+                if not self._n_active and not self._idle:
+                    DECODER.rest()  # nothing of ours decodes now: the host's own threads get the cores
 
     @property
     def working(self) -> bool:
@@ -92,6 +95,8 @@ class _Process:
         with self._cv:
             self._idle = False
             self._cv.notify_all()
+            if not self._n_active:
+                DECODER.rest()
 
     def wanted(self) -> bool:
         return self._n_active > 0

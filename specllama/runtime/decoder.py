@@ -9,8 +9,9 @@ chat requests taking turns (F16 1.5B target, 0.5B draft, every llama_decode time
 draft's one-token step took 34-40 ms against 22-28 ms with one caller, and the pair ran at
 0.75x one request after another; with every call made here, 21-23 ms and 0.92-1.05x.
 
-The thread ends once no call has come for IDLE_EXIT_SECONDS (the next call starts another), and
-its OpenMP team with it. libgomp spins at its barriers only while it manages no more threads
+The thread ends once no call has come for IDLE_EXIT_SECONDS, or REST_SECONDS after nothing
+of specllama's runs in the process (rest(): no load, generation or idle work), and its OpenMP
+team with it; the next call starts another. libgomp spins at its barriers only while it manages no more threads
 than there are cores; a team that outlives its work (a thread that stays alive keeps one) makes
 every graph of another thread's team sleep and wake at each barrier. Measured on our 2 cores
 (Q4_K_M 1.5B, one token at 2,900 cached tokens): 48 ms on the main thread alone, 87 ms while a
@@ -35,6 +36,9 @@ from ..errors import ContextFullError, DecodeError
 from .ggml import LOG_SINK
 
 IDLE_EXIT_SECONDS = 5.0
+# after rest(): back-to-back generations (a script's loop) keep the thread, whose restart costs
+# 1-1.6 ms (a thread and its OpenMP team; tiny model, 2 cores)
+REST_SECONDS = 0.2
 
 
 class _Call:
@@ -56,6 +60,7 @@ class DecodeThread:
         self._calls: list[_Call] = []
         self._ident: Optional[int] = None  # the running thread's (None: none runs)
         self._pid: Optional[int] = None  # a forked child has no thread: it starts its own
+        self._resting = False  # end the thread once its queue is empty (rest())
 
     def run(self, fn: Callable[..., Any], *args: Any) -> Any:
         """fn(*args), made on the decode thread; its result, or its exception raised here."""
@@ -66,6 +71,7 @@ class DecodeThread:
             if self._ident is None or self._pid != os.getpid():
                 self._start()
             self._calls.append(call)
+            self._resting = False
             self._cv.notify()
         interrupted: Optional[BaseException] = None
         while not call.done.is_set():
@@ -79,6 +85,15 @@ class DecodeThread:
             raise call.error
         return call.result
 
+    def rest(self) -> None:
+        """Nothing of specllama's runs in the process: the thread ends once no call came for
+        REST_SECONDS, and its OpenMP team with it, instead of after IDLE_EXIT_SECONDS. A host's
+        llama_cpp.Llama decoded at 0.71x its speed while the team of an idle SpecLlama's thread
+        outlived its work."""
+        with self._cv:
+            self._resting = True
+            self._cv.notify()
+
     def _start(self) -> None:
         self._calls.clear()
         self._pid = os.getpid()
@@ -90,8 +105,8 @@ class DecodeThread:
         while True:
             with self._cv:
                 while not self._calls:
-                    if not self._cv.wait(IDLE_EXIT_SECONDS) and not self._calls:
-                        self._ident = None  # under the lock: the next call starts a new thread
+                    if not self._cv.wait(REST_SECONDS if self._resting else IDLE_EXIT_SECONDS) and not self._calls:
+                        self._ident, self._resting = None, False  # under the lock: the next call starts a new thread
                         return
                 call = self._calls.pop(0)
             try:
