@@ -318,9 +318,7 @@ class SpecLlama(LlamaApi, BatchApi):
                 self.planner.account(stats, req, policy, learned_before)
                 outcome.result = Result("".join(texts), tokens, finish, stats, matcher.matched)
                 with self._models:  # the planner's figures are shared by every generation's rounds
-                    self.planner.learned(policy)
-                    if slot.index == 0 and not slot.lane:  # the planner measures on the first slot's contexts
-                        self.planner.want_catch_up(req.cache_scope)
+                    self.planner.after(policy, req.cache_scope, on_first_slot=slot.index == 0 and not slot.lane)
 
     def _emit(self, steps: Iterator[Any], req: Request, outcome: Outcome, tokens: list[int], texts: list[str],
               detokenizer: Detokenizer, matcher: StopMatcher) -> Generator[Chunk, None, str]:

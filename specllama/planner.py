@@ -76,6 +76,13 @@ class Planner:
         """Whether the decode-cost curve is still to be probed (a first estimate in use meanwhile)."""
         return self.speculates and not self.book.probed
 
+    def after(self, policy: Policy, scope: str, on_first_slot: bool) -> None:
+        """(the models' turn held) After a generation: what its rounds taught, and, where it ran
+        on the first slot's contexts (the ones the planner measures on), what to measure next."""
+        self.learned(policy)
+        if on_first_slot:
+            self.want_catch_up(scope)
+
     def learned(self, policy: Policy) -> None:
         """After a generation: keep what the pair's drafts taught (not a seeded generation's,
         which starts fresh); where the rounds kept contradicting the curve, replace it."""
