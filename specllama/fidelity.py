@@ -275,7 +275,11 @@ class Limits:
         assert self.table is not None
         group = kv_group(kv_length(n_past + 1, self.table.n_ctx))
         self.table.checked[group] = diff
-        if diff > self.level.bound / 2:
+        if diff <= self.level.bound / 2:
+            # the checking round's rows were judged as if 1.0 logits off; its cells, decoded again
+            # as a batch within the limit, carry what any batch here may: at most the bound
+            self._drift = min(self._drift, self.level.bound)
+        else:
             log.info("at %s a verify pass's first row differs from single-token decoding by %.3g logits, past half "
                      "the %s level's bound: plain decoding there until the limit is measured", group_label(group),
                      diff, self.level)

@@ -86,6 +86,7 @@ def test_a_kv_group_not_measured_takes_a_shorter_one_s_limit_where_the_level_all
     # the round that checks it judges near-ties as a reused cache's unmeasured rows are judged
     assert limits.wants_check(300) and limits.tolerance(300, 4) == 2 * ASSUMED_REUSE_DIFF
     limits.checked(300, 0.02)
+    assert limits.tolerance(300, 4) == 2 * ROUNDING_BOUND  # the rest of the generation: no longer 1.0 off
     after = Limits(parse_level("rounding"), limits.table)
     assert not after.wants_check(300) and after.max_batch(300) == MAX_VERIFY
     assert after.tolerance(300, 4) == 2 * ROUNDING_BOUND  # as far off as the level allows
