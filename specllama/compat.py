@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from .errors import IncompatibleDraftError
 
@@ -27,6 +28,12 @@ class VocabInfo:
     add_bos: bool
     add_eos: bool
     token_text: Callable[[int], bytes]
+
+
+def vocab_info(model: Any) -> VocabInfo:
+    """VocabInfo of a loaded model (a runtime.Model)."""
+    return VocabInfo(model.name, model.vocab_type, model.n_vocab, model.bos, model.eos, model.add_bos,
+                     model.add_eos, model.token_text)
 
 
 def check_compatible(target: VocabInfo, draft: VocabInfo) -> None:

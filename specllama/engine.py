@@ -11,7 +11,7 @@ from typing import Any, Optional, Union, cast
 import numpy as np
 
 from .batch import BatchApi
-from .compat import VocabInfo, check_compatible
+from .compat import check_compatible, vocab_info
 from .constraints import Constraint, Grammar, Penalties, check_logit_bias, grammar_source
 from .controller import Costs
 from .concurrency_probes import plan_pieces
@@ -25,7 +25,8 @@ from .options import (GenerateOptions, Prompt, check_cache_mb, check_n_draft, ch
                       prompt_tokens)
 from .planner import Planner
 from .request import Request
-from .prompt_cache import Budget, PromptCache
+from .disk_cache import DISK_MB
+from .prompt_cache import Budget, PromptCache, cache_report, close_caches, open_disk
 from .runtime.ggml import resident_bytes
 from .runtime.protocols import Drafter, Model
 from .sampling import SamplingSettings
@@ -56,7 +57,8 @@ class SpecLlama(LlamaApi, BatchApi):
                  exact: Union[str, float, bool] = "rounding", lookup: Optional[bool] = None,
                  prompt_cache_mb: float = PROMPT_CACHE_MB, tree: Union[int, str, bool] = "auto",
                  idle_work: Optional[bool] = None, n_parallel: int = N_PARALLEL,
-                 batch_requests: Union[bool, str] = False):
+                 batch_requests: Union[bool, str] = False, prompt_cache_dir: Optional[Any] = None,
+                 prompt_cache_disk_mb: float = DISK_MB):
         self.target, self.draft = target, draft
         self.n_draft = check_n_draft(n_draft)
         self.tree = self._check_tree(tree)
@@ -68,12 +70,13 @@ class SpecLlama(LlamaApi, BatchApi):
         # the draft: a second model, or the target's own MTP layers (the same vocabulary)
         self.mtp = draft is not None and draft.follows_target
         if draft is not None and not self.mtp:
-            check_compatible(_vocab_info(target), _vocab_info(draft))  # type: ignore[arg-type]
+            check_compatible(vocab_info(target), vocab_info(draft))
         self.prompt_cache_budget = Budget(check_cache_mb(prompt_cache_mb))
         self.target_cache = PromptCache(target, self.prompt_cache_budget)
         # a second model (not MTP layers) has a sequence of its own to cache: it is a Model
         self.draft_cache = PromptCache(cast(Model, draft), self.prompt_cache_budget) \
             if draft is not None and not self.mtp else None
+        self.prompt_disk = open_disk(prompt_cache_dir, prompt_cache_disk_mb, self.target_cache, self.draft_cache)
         # measurements a request found missing, run while no generation runs (idle.py)
         if idle_work is None:  # a library computes nothing behind its host's back unless asked
             idle_work = idle_wanted(default=False)
@@ -183,13 +186,10 @@ class SpecLlama(LlamaApi, BatchApi):
 
     def prompt_cache_info(self) -> dict:
         """The prompt caches' counters, all slots together: hits, misses, tokens reused, states
-        saved in RAM; and how many slots there are now."""
-        more = self.pool.slots.more
-        out = {"budget_bytes": self.prompt_cache_budget.n_bytes, "evicted": self.prompt_cache_budget.n_evicted,
-               "slots": 1 + len(more), "target": self.target_cache.as_dict(*(s.target_cache for s in more))}
-        if self.draft_cache is not None:
-            out["draft"] = self.draft_cache.as_dict(*(s.draft_cache for s in more if s.draft_cache is not None))
-        return out
+        saved in RAM (and on disk); and how many slots there are now."""
+        slots = self.pool.slots.all
+        return cache_report(self.prompt_cache_budget, [s.target_cache for s in slots],
+                            [s.draft_cache for s in slots if s.draft_cache is not None], self.prompt_disk)
 
     def close(self) -> None:
         """Free both models (a borrowed llama_cpp.Llama stays with its owner) and the saved
@@ -202,7 +202,9 @@ class SpecLlama(LlamaApi, BatchApi):
         self._stop_workers()
         self.pool.end_all()
         with self._models, PROCESS.busy():  # whatever still generates has ended
-            self.prompt_cache_budget.entries.clear()
+            lanes = self.sharing.slots.all if self.sharing is not None else []
+            close_caches([c for s in (*self.pool.slots.all, *lanes) for c in (s.target_cache, s.draft_cache) if c],
+                         self.prompt_cache_budget, self.prompt_disk)
             if self.sharing is not None:
                 self.sharing.close()
             self.pool.slots.close_more()  # their contexts before the models they share
@@ -390,7 +392,3 @@ def _accepted_tokens(steps: Iterator[Any]) -> Iterator[tuple[int, bool, Any]]:
         for i, token in enumerate(step.tokens):
             yield token, i < step.n_from_draft, None if step.logprobs is None else step.logprobs[i]
 
-
-def _vocab_info(runtime: Model) -> VocabInfo:
-    return VocabInfo(runtime.name, runtime.vocab_type, runtime.n_vocab, runtime.bos, runtime.eos,
-                     runtime.add_bos, runtime.add_eos, runtime.token_text)

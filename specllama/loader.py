@@ -8,6 +8,7 @@ from dataclasses import fields
 from pathlib import Path
 from typing import Any, Optional, Union
 
+from .disk_cache import DISK_MB, check as check_disk
 from .doctor import offload_note
 from .draft_select import MTP
 from .engine import N_PARALLEL, PROMPT_CACHE_MB, SpecLlama, check_cache_mb, check_n_parallel
@@ -34,7 +35,8 @@ def load(target: Any, draft: Any = None, *, n_draft: Union[int, str] = "auto",
          exact: Union[str, float, bool] = "rounding",
          lookup: Optional[bool] = None, check_memory: bool = True, prompt_cache_mb: float = PROMPT_CACHE_MB,
          tree: Union[int, str, bool] = "auto", idle_work: Optional[bool] = None, n_parallel: int = N_PARALLEL,
-         batch_requests: Union[bool, str] = False, **model_settings: Any) -> SpecLlama:
+         batch_requests: Union[bool, str] = False, prompt_cache_dir: Optional[Union[str, os.PathLike]] = None,
+         prompt_cache_disk_mb: float = DISK_MB, **model_settings: Any) -> SpecLlama:
     """Load a target model and an optional draft of the same family.
 
     Args:
@@ -55,6 +57,11 @@ def load(target: Any, draft: Any = None, *, n_draft: Union[int, str] = "auto",
             that many candidates per drafted position (with a fixed n_draft: at every one).
             1: chains only. Trees need an attention-only target on this machine.
         prompt_cache_mb: RAM for saved prompt-cache states (MiB, target and draft together).
+        prompt_cache_dir: a folder where prompt-cache states outlive the process (off when
+            None): long prompts, states evicted from RAM and the live conversation at close()
+            are written there, and a later load() of the same model files, build and context
+            settings reuses them; keyed by the files' content, so nothing else is ever restored.
+        prompt_cache_disk_mb: that folder's byte budget (MiB), least recently used out first.
         check_memory: plan the memory both models need from their GGUF headers and raise
             MemoryPlanError (with ways out) before loading when it exceeds what is available.
         idle_work: measurements a request found missing (verify limits at a new KV length,
@@ -93,6 +100,8 @@ def load(target: Any, draft: Any = None, *, n_draft: Union[int, str] = "auto",
     check_n_draft(n_draft)
     parse_level(exact)
     check_cache_mb(prompt_cache_mb)
+    if prompt_cache_dir is not None:  # before anything loads: a folder that cannot be written is a typo
+        check_disk(prompt_cache_dir, prompt_cache_disk_mb)
     check_n_parallel(n_parallel)
     if not isinstance(batch_requests, bool) and batch_requests != AUTO:
         raise InvalidParameterError("batch_requests", batch_requests, 'True, False or "auto"')
@@ -150,7 +159,8 @@ def load(target: Any, draft: Any = None, *, n_draft: Union[int, str] = "auto",
                 opened.append(draft_rt)
         llm = SpecLlama(target_rt, draft_rt, n_draft=n_draft, exact=exact, lookup=lookup,
                         prompt_cache_mb=prompt_cache_mb, tree=tree, idle_work=idle_work,
-                        n_parallel=n_parallel, batch_requests=batch_requests)
+                        n_parallel=n_parallel, batch_requests=batch_requests, prompt_cache_dir=prompt_cache_dir,
+                        prompt_cache_disk_mb=prompt_cache_disk_mb)
         llm.sharing_note = llm.sharing_note or no_lanes  # what /health shows
         return llm
     except BaseException:

@@ -25,14 +25,18 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
-def serve(target: Path, log: Path, *args: str, timeout: float = 180) -> Iterator[tuple[str, list[int]]]:
+def serve(target: Path, log: Path, *args: str, timeout: float = 180,
+          started: Optional[list] = None) -> Iterator[tuple[str, list[int]]]:
     """The server process with these extra arguments; yields (base url, /health statuses seen
-    while it started). Always stopped at the end, also when the test fails."""
+    while it started); its Popen is appended to `started` if given. Always stopped at the end
+    (SIGTERM, then SIGKILL after 15 s), also when the test fails."""
     port = free_port()
     cmd = [sys.executable, "-m", "specllama", "serve", str(target), "--ctx", str(SETTINGS["n_ctx"]),
            "--threads", str(SETTINGS["n_threads"]), "--port", str(port), *args]
     with open(log, "w") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
+    if started is not None:
+        started.append(proc)
     base, seen = f"http://127.0.0.1:{port}", []
     try:
         with PROCESS.busy():  # this process's idle work waits while the server loads and measures

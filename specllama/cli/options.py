@@ -83,6 +83,13 @@ MODEL_OPTIONS = [
     Opt("prompt_cache_mb", ("--prompt-cache-mb",), dict(
         type=click.FloatRange(min=0), default=1024, show_default=True, envvar="SPECLLAMA_PROMPT_CACHE_MB",
         help="RAM for saved prompt-cache states of conversations switched away from (0: only the live one).")),
+    Opt("prompt_cache_dir", ("--prompt-cache-dir",), dict(
+        type=click.Path(file_okay=False), default=None, envvar="SPECLLAMA_PROMPT_CACHE_DIR",
+        help="Keep prompt-cache states in this folder across restarts (off unless set): long prompts, "
+             "states RAM evicts and the conversation at exit, keyed to the model files, build and settings.")),
+    Opt("prompt_cache_disk_mb", ("--prompt-cache-disk-mb",), dict(
+        type=click.FloatRange(min=0, min_open=True), default=10240, show_default=True,
+        envvar="SPECLLAMA_PROMPT_CACHE_DISK_MB", help="Disk budget of --prompt-cache-dir; least recently used out.")),
     Opt("verbose", ("--verbose", "-v"), dict(is_flag=True, help="Show llama.cpp logs and full tracebacks.")),
 ]
 
@@ -130,6 +137,8 @@ class ModelChoice:
     tensor_split: Optional[str] = None
     draft_rpc: Optional[str] = None
     prompt_cache_mb: float = 1024
+    prompt_cache_dir: Optional[str] = None
+    prompt_cache_disk_mb: float = 10240
     verbose: bool = False
     _resolved: Optional[tuple[Path, Any, list[str]]] = None
 
@@ -177,7 +186,8 @@ class ModelChoice:
         if self.n_draft is not None:
             kwargs["n_draft"] = self.n_draft if self.n_draft == "auto" else _int_option("--n-draft", self.n_draft)
         return load(target, "ngram" if self.draft == "ngram" else draft, exact="off" if self.inexact else self.exact,
-                    prompt_cache_mb=self.prompt_cache_mb, **kwargs, **load_options, **self.settings())
+                    prompt_cache_mb=self.prompt_cache_mb, prompt_cache_dir=self.prompt_cache_dir,
+                    prompt_cache_disk_mb=self.prompt_cache_disk_mb, **kwargs, **load_options, **self.settings())
 
 
 def trained_context(path: Path) -> Optional[int]:

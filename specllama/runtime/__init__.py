@@ -12,8 +12,9 @@
     core         Runtime: one model, its context, exactly what its KV cache holds
     loading      loading a Runtime, or borrowing a llama_cpp.Llama
     measure_key  what a measurement of a loaded model depends on
+    state_key    what decides a saved state's bits (file content, build, settings): its key on disk
     mtp          a model's MTP layers as a draft
-    remote       a model on RPC workers, in a host process (remote_host)
+    remote       a model on RPC workers, in a host process (remote_host; host_link: the pipe to it)
     protocols    what the loop, proposers and prompt cache call on a model
 
 Names are imported on first use, so `from specllama.runtime import ModelSettings` (the memory

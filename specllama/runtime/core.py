@@ -12,6 +12,7 @@ import time
 from collections.abc import Sequence
 from contextlib import ExitStack
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Optional, Union
 
 import llama_cpp
@@ -134,6 +135,7 @@ class Runtime(Vocab, TreeDecoding):
         self.mtp_head: Any = None  # the model's MTP layers (mtp.MtpHead), when loaded with mtp=True
         self.mtp_note = ""  # why they could not be loaded
         self.settings: Optional[ModelSettings] = None  # what load() made the context with (None: borrowed)
+        self.path: Optional[Path] = None  # the GGUF file load() read (None: borrowed)
         self.n_seq = n_seq
         # the other requests' turn, passed between the chunks of a long decode (_next_batch), and
         # the rows its chunks go in pieces of while they wait (0: whole), where measured bitwise

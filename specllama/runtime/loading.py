@@ -36,6 +36,7 @@ def load_runtime(cls: Any, path: Union[str, os.PathLike], settings: ModelSetting
         n_seq = 1 if mtp else n_branches
         runtime = _on_new_context(cls, model, settings, stack, path.name, "", n_seq)
         runtime.identity = identity(path, settings, runtime, mtp)
+        runtime.path = path
         if mtp:
             try:
                 runtime.mtp_head = MtpHead(runtime, settings, stack)
@@ -65,6 +66,7 @@ def sibling_runtime(runtime: Any) -> Any:
         model = Handle(runtime._model.ptr, None, runtime._model.what, None)  # the original frees it
         twin = _on_new_context(type(runtime), model, runtime.settings, stack, runtime.name, runtime.identity,
                                runtime.n_seq)
+        twin.path = runtime.path
         twin.memory_use = MemoryUse(max(0, resident_bytes() - ram0), max(0, gpu_free0 - gpu_free()))
         return twin
     except BaseException:

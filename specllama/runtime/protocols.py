@@ -4,12 +4,14 @@ implementation says what it provides (Runtime, RemoteRuntime, MtpHead)."""
 from __future__ import annotations
 
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any, Optional, Protocol, Union
 
 import numpy as np
 
 from ..tree import Tree
 from .ggml import MemoryUse
+from .settings import ModelSettings
 from .state import PrefillRow, SavedState
 
 
@@ -115,6 +117,15 @@ class Model(Vocabulary, Protocol):
 
     @property
     def max_verify(self) -> int: ...
+
+    @property
+    def path(self) -> Optional[Path]: ...  # the GGUF file it was loaded from (None: a llama_cpp.Llama the caller built)
+
+    @property
+    def settings(self) -> Optional[ModelSettings]: ...  # what its context was made with (None: as above)
+
+    @property
+    def n_seq(self) -> int: ...  # sequences its context was made for
 
     @property
     def n_lanes_active(self) -> int: ...  # lanes generating in its shared context now (1: its own)
