@@ -36,6 +36,14 @@ N_CONTEXT = 8  # tokens in the cache before the probed rows when nothing else is
 Stop = Callable[[], bool]
 
 
+def probe_tokens(target: Model, n_min: int) -> list[int]:
+    """The probe text's tokens, repeated until there are at least n_min."""
+    tokens = target.tokenize(PROBE_TEXT, add_special=False)
+    while len(tokens) < n_min:
+        tokens = tokens + tokens
+    return tokens
+
+
 def never() -> bool:
     return False
 
@@ -111,10 +119,7 @@ def probe_batch_diffs(target: Model, n_past: int, bound: float, max_batch: int =
     difference is the larger of the two shapes'. Stops after the first size that differs by
     more than bound. The cache is back at n_past tokens afterwards."""
     max_batch = min(max_batch, target.n_ctx - n_past)  # a small context has room for fewer rows
-    tokens = target.tokenize(PROBE_TEXT, add_special=False)
-    while len(tokens) < max_batch:
-        tokens = tokens + tokens
-    tokens = tokens[:max(max_batch, 0)]
+    tokens = probe_tokens(target, max_batch)[:max(max_batch, 0)]
     trees = target.n_branches > 1
     leaves = [(tokens[(d + 7) % len(tokens)] + 1) % target.n_vocab for d in range(len(tokens))] if trees else []
     t_start = time.perf_counter()
@@ -293,9 +298,7 @@ def measure_costs(target: Model, draft: Optional[Drafter], max_verify: int = MAX
     (the costs, the evidence: one-token decodes and draft steps repeated at the start, middle
     and end, so a busy moment shows as disagreement). Each size takes the fastest of repeats
     runs (the least disturbed). Clears both caches."""
-    tokens = target.tokenize(PROBE_TEXT, add_special=False)
-    while len(tokens) < STEP_CONTEXT + max_verify:
-        tokens = tokens + tokens
+    tokens = probe_tokens(target, STEP_CONTEXT + max_verify)
     context, probe = tokens[:STEP_CONTEXT], tokens[STEP_CONTEXT:STEP_CONTEXT + max_verify]
     try:
         target.truncate(0)
@@ -374,9 +377,7 @@ def first_costs(target: Model, draft: Optional[Drafter], verify_seconds: Sequenc
     sizes = {n: float(s) for n, s in enumerate(verify_seconds, 1) if n >= 2 and s > 0}
     missing = [n for n in FIRST_SIZES if n not in sizes and n <= MAX_VERIFY]
     if len(sizes) < len(FIRST_SIZES) and missing:
-        tokens = target.tokenize(PROBE_TEXT, add_special=False)
-        while len(tokens) < N_CONTEXT + max(missing):
-            tokens = tokens + tokens
+        tokens = probe_tokens(target, N_CONTEXT + max(missing))
         try:
             target.truncate(0)
             target.decode(tokens[:N_CONTEXT])
@@ -390,7 +391,7 @@ def first_costs(target: Model, draft: Optional[Drafter], verify_seconds: Sequenc
     verify = np.maximum.accumulate([one, *(max(one, intercept + slope * n) for n in range(2, MAX_VERIFY + 1))])
     draft_batch = None
     if draft is not None and draft_steps:
-        context = target.tokenize(PROBE_TEXT, add_special=False)[:FIRST_DRAFT_BATCH]
+        context = probe_tokens(target, FIRST_DRAFT_BATCH)[:FIRST_DRAFT_BATCH]
         draft_batch = (len(context), min(_time_decode(draft, 0, context, len(context), 2, all_rows=False)))
         draft.truncate(0)
     costs = Costs(tuple(float(x) for x in verify), min(draft_steps) if draft_steps else 0.0, draft_batch)

@@ -37,6 +37,7 @@ class CostBook:
         self._stash, self._batch_diffs, self._after_probe = stash, batch_diffs, probed
         self.curve: Optional[Costs] = None
         self.record: Optional[dict] = None  # what the curve came from, with its evidence
+        self._written = False  # a probe's record of these models is in the calibration file
         self.source = "not measured"  # the same in words, for each request's stats
         self.probed = False  # the curve is a probe's (this process's or the cache's)
         self.online: Optional[OnlineCosts] = None
@@ -61,7 +62,7 @@ class CostBook:
         if problem is None:
             assert record is not None
             self.curve = Costs(tuple(record["verify"]), record["draft_token"], draft_batch, draft_kv)
-            self.record, self.source, self.probed = record, "cached probe", True
+            self.record, self.source, self.probed, self._written = record, "cached probe", True, True
             if self.draft is None or draft_batch is not None:
                 return
             # written before the draft's batch was timed: until it is, its prefills and catch-ups
@@ -127,6 +128,7 @@ class CostBook:
         self.record = records.write(costs_key(self.target, self.draft),
                                     records.costs_value(costs.verify, costs.draft_token, **evidence),
                                     "probe while idle")
+        self._written = True
         self._after_probe()  # the probe took the draft's context; a long conversation's step is timed
         return True
 
@@ -160,7 +162,7 @@ class CostBook:
     def draft_kv_wanted(self, n_kv: int, min_kv: int) -> bool:
         """Whether a draft step timed after n_kv (>= min_kv) cached tokens would teach the cached
         costs how its cost grows with the context: none is recorded at three quarters of that or more."""
-        if self.curve is None or n_kv < min_kv or records.read(costs_key(self.target, self.draft)) is None:
+        if self.curve is None or n_kv < min_kv or not self._written:
             return False
         return self.curve.draft_kv is None or self.curve.draft_kv[0] < 0.75 * n_kv
 

@@ -67,6 +67,15 @@ def plain(model_paths):
 
 
 @pytest.fixture
+def home(tmp_path, monkeypatch):
+    """An empty calibration folder, as on the first day after install; idle work as a library's
+    default (off: SPECLLAMA_IDLE_WORK unset)."""
+    monkeypatch.setenv("SPECLLAMA_HOME", str(tmp_path))
+    monkeypatch.delenv("SPECLLAMA_IDLE_WORK", raising=False)
+    return tmp_path
+
+
+@pytest.fixture
 def quiet_process():
     """No idle work of other objects in this process (the session's pair measures at the KV
     lengths earlier tests reached) while a test times decodes, here or in a child process: on 2

@@ -7,7 +7,6 @@ from __future__ import annotations
 import threading
 
 import numpy as np
-import pytest
 
 import specllama
 from conftest import SETTINGS
@@ -16,14 +15,6 @@ from specllama.calibrate import FIRST_DRAFT_BATCH
 from specllama.limits import MAX_VERIFY
 
 CODE = "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n"
-
-
-@pytest.fixture
-def home(tmp_path, monkeypatch):
-    """An empty calibration folder, as on the first day after install."""
-    monkeypatch.setenv("SPECLLAMA_HOME", str(tmp_path))
-    monkeypatch.delenv("SPECLLAMA_IDLE_WORK", raising=False)
-    return tmp_path
 
 
 def idle_threads() -> list[threading.Thread]:

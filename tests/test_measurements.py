@@ -22,13 +22,6 @@ SLOW_NON_MONOTONE = [0.978, 1.2, 0.4, 4.036] + [1.3] * 13
 BUSY_DRAFT = 3.232
 
 
-@pytest.fixture
-def home(tmp_path, monkeypatch):
-    """An empty calibration folder, as on the first day after install."""
-    monkeypatch.setenv("SPECLLAMA_HOME", str(tmp_path))
-    return tmp_path
-
-
 def load(model_paths, **kw):
     return specllama.load(model_paths["target"], model_paths["draft"], **SETTINGS, **kw)
 

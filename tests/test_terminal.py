@@ -182,10 +182,13 @@ ALIASES = [  # llama.cpp's spelling, then specllama's long form: the same settin
 
 
 @pytest.mark.parametrize("alias, long_form", ALIASES)
-def test_llama_cpp_flag_spellings_reach_the_same_settings(model_paths, alias, long_form):
+def test_llama_cpp_flag_spellings_reach_the_same_settings(tiny_paths, alias, long_form):
+    # the tiny attention model as target and draft: spellings do not depend on the pair
+    tiny = str(tiny_paths["attention-draft"])
+
     def settings(flags, model_flag):
-        model = ["-m", str(model_paths["target"])] if model_flag else [str(model_paths["target"])]
-        draft = ["-md", str(model_paths["draft"])] if model_flag else ["--draft", str(model_paths["draft"])]
+        model = ["-m", tiny] if model_flag else [tiny]
+        draft = ["-md", tiny] if model_flag else ["--draft", tiny]
         out = subprocess.run([sys.executable, "-m", "specllama", "run", *model, *draft, *flags, "--json", "-p", "hi"],
                              capture_output=True, text=True, timeout=300)
         assert out.returncode == 0, out.stderr[-2000:]
