@@ -43,7 +43,7 @@ class Stats:
     # what a fresh prefill computes (false: rows carry the measured reuse difference)
     n_prompt_cached: int = 0
     n_draft_prompt_cached: int = 0
-    prompt_cache: str = "none"
+    prompt_cache: str = "none"  # where the reused state came from: "live", "saved" (RAM), "disk" or "none"
     prompt_cache_exact: bool = True
     t_prefill: float = 0.0  # the target's prefill of what was not cached, and the first token
     t_draft_prefill: float = 0.0  # the draft's, after the first token
@@ -132,7 +132,9 @@ class Stats:
         line = (f"{self.n_generated} tokens, {self.decode_tokens_per_second:.1f} tok/s, "
                 f"prefill {self.n_prompt - self.n_prompt_cached} tokens in {self.t_prefill:.2f}s")
         if self.n_prompt_cached:
-            line += f" ({self.n_prompt_cached} of {self.n_prompt} cached, {self.n_prompt_cached / self.n_prompt:.0%})"
+            where = " on disk" if self.prompt_cache == "disk" else ""
+            line += f" ({self.n_prompt_cached} of {self.n_prompt} cached{where}, " \
+                    f"{self.n_prompt_cached / self.n_prompt:.0%})"
         if self.t_draft_prefill >= 0.01:
             line += f", draft prefill {self.t_draft_prefill:.2f}s"
         if self.n_drafted:

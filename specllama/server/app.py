@@ -166,8 +166,9 @@ class Server:
     def record(self, what: str, stats: Any) -> None:
         """A generation ended: its counters, and one log line (what it cost, as llama-server logs)."""
         self.metrics.record(stats)
-        log.info("%s: %d prompt tokens (%d cached), first token after %.2f s, %d tokens in %.2f s (%.1f tok/s, "
-                 "%d of %d drafts accepted)", what, stats.n_prompt, stats.n_prompt_cached, stats.t_prefill,
+        log.info("%s: %d prompt tokens (%d cached%s), first token after %.2f s, %d tokens in %.2f s (%.1f tok/s, "
+                 "%d of %d drafts accepted)", what, stats.n_prompt, stats.n_prompt_cached,
+                 " from disk" if stats.prompt_cache == "disk" else "", stats.t_prefill,
                  stats.n_generated, stats.t_total, stats.decode_tokens_per_second, stats.n_accepted, stats.n_drafted)
 
     def stream_ended(self, request: Request, job: Job) -> None:
