@@ -18,7 +18,7 @@ from specllama import (
     PromptTooLongError,
 )
 from specllama.compat import VocabInfo, check_compatible
-from specllama.engine import _vocab_info
+from specllama.compat import vocab_info
 from specllama.runtime import ModelSettings, Runtime
 
 from conftest import SETTINGS
@@ -83,7 +83,7 @@ def test_first_differing_token_is_named(pair, model_paths):
     with Runtime.load(model_paths["smollm2"], ModelSettings(**SETTINGS)) as other:
         with pytest.raises(IncompatibleDraftError) as info:
             specllama.SpecLlama(pair.target, other)
-        target, draft = _vocab_info(pair.target), _vocab_info(other)
+        target, draft = vocab_info(pair.target), vocab_info(other)
         first = next((f"{label} differs (target {getattr(target, a)}, draft {getattr(draft, a)})"
                       for a, label in FIELDS if getattr(target, a) != getattr(draft, a)), None)
         if first is None:
@@ -108,7 +108,7 @@ def test_the_vocabulary_rules_on_synthetic_vocabularies():
 
 
 def test_same_model_as_its_own_draft_is_compatible(pair):
-    target, draft = _vocab_info(pair.target), _vocab_info(pair.draft)
+    target, draft = vocab_info(pair.target), vocab_info(pair.draft)
     check_compatible(target, draft)  # the 1.5B target and its 0.5B draft share a tokenizer: no error
     assert target.n_vocab == draft.n_vocab and target.token_text(1000) == draft.token_text(1000)
     changed = VocabInfo(draft.name, draft.vocab_type, draft.n_vocab, draft.bos, draft.eos, draft.add_bos,
@@ -183,6 +183,21 @@ def test_context_fills_up_with_length(model_paths):
             llm.generate(prompt * 100)
         exact_fit = (prompt * 100)[:n_ctx]
         assert len(llm.generate(exact_fit, max_tokens=5).tokens) == 1
+
+
+def test_drafted_tree_rounds_at_the_end_of_the_context_finish_with_length(model_paths):
+    """The real pair drafting 4 tokens a round with 2 candidates a position (exact="off": no verify
+    limit keeps it plain) up to the last cell of both contexts: the answer ends with "length"
+    at exactly the cells there are, never a ContextFullError from a draft or a verify pass, and
+    the object goes on working."""
+    with specllama.load(model_paths["target"], model_paths["draft"], n_ctx=64, n_threads=2, exact="off", n_draft=4,
+                        tree=2) as llm:
+        prompt = llm.tokenize(CODE)
+        r = llm.generate(prompt, max_tokens=None)
+        assert r.finish_reason == "length" and len(prompt) + len(r.tokens) == llm.target.n_ctx + 1
+        assert r.stats.n_drafted > 0 and r.stats.n_tree_rounds > 0, r.stats.as_dict()
+        again = llm.generate(prompt, max_tokens=6)
+        assert again.finish_reason == "length" and len(again.tokens) == 6
 
 
 @pytest.mark.children

@@ -87,6 +87,17 @@ def test_closing_a_stream_early_cancels_and_keeps_the_model_usable(pair, plain):
     assert pair.generate(CODE, max_tokens=16).tokens == plain.generate(CODE, max_tokens=16).tokens
 
 
+def test_chat_stream_is_chat_in_pieces(pair):
+    """chat_stream: the chunks add up to chat()'s text and tokens, and the stream's result is its Result."""
+    messages = [{"role": "user", "content": "Name three rivers in Europe."}]
+    whole = pair.chat(messages, max_tokens=20)
+    stream = pair.chat_stream(messages, max_tokens=20)
+    chunks = list(stream)
+    assert len(chunks) > 1 and "".join(c.text for c in chunks) == whole.text
+    assert [t for c in chunks for t in c.tokens] == whole.tokens == stream.result.tokens
+    assert stream.result.finish_reason == whole.finish_reason and stream.result.stats.n_prompt == whole.stats.n_prompt
+
+
 def test_chat_template_is_applied(pair):
     tokens = pair.chat_tokens(CHAT)
     text = pair.detokenize(tokens)
