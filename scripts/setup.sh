@@ -74,7 +74,36 @@ if [ "$BUILD" = missing-cuda-toolkit ]; then
 fi
 
 PYTHON=${PYTHON:-python3}
+check_python() {
+  # what the venv needs, named before anything is downloaded or compiled
+  if ! command -v "$PYTHON" >/dev/null 2>&1; then
+    echo "setup: needs Python 3.10 or newer: '$PYTHON' is not on PATH (set PYTHON=/path/to/python3.11)" >&2
+    exit 1
+  fi
+  if ! "$PYTHON" -c 'import sys; sys.exit(sys.version_info < (3, 10))'; then
+    echo "setup: needs Python 3.10 or newer; $PYTHON is $("$PYTHON" -V 2>&1) (macOS's /usr/bin/python3 is 3.9:" \
+         "brew install python@3.11, then PYTHON=python3.11 bash scripts/setup.sh)" >&2
+    exit 1
+  fi
+  if ! "$PYTHON" -c 'import venv, ensurepip' >/dev/null 2>&1; then
+    echo "setup: $PYTHON has no venv module with pip (Debian/Ubuntu: sudo apt install python3-venv)" >&2
+    exit 1
+  fi
+}
+check_compiler() {
+  if ! command -v c++ >/dev/null 2>&1 && ! command -v g++ >/dev/null 2>&1 && ! command -v clang++ >/dev/null 2>&1; then
+    echo "setup: compiling llama.cpp needs a C/C++ compiler, and none is on PATH (Debian/Ubuntu: sudo apt install" \
+         "build-essential; Fedora: sudo dnf install gcc-c++; macOS: xcode-select --install)" >&2
+    exit 1
+  fi
+  local free_kb
+  free_kb=$(df -Pk . | awk 'NR == 2 {print $4}')
+  if [ -n "$free_kb" ] && [ "$free_kb" -lt 3000000 ]; then
+    echo "setup: warning: $((free_kb / 1024)) MiB free here; the build and the demo's models take about 3 GB" >&2
+  fi
+}
 if [ ! -x .venv/bin/python ]; then
+  check_python
   "$PYTHON" -m venv .venv
   .venv/bin/python -m pip install --quiet --upgrade pip
 fi
@@ -82,10 +111,12 @@ fi
 STAMP=.venv/llama-cpp-build.txt
 BUILD_ID="$LLAMA_CPP_PYTHON $BUILD_ARGS $BUILD_CFLAGS"
 if ! .venv/bin/python -c "import llama_cpp" 2>/dev/null || [ "$(cat "$STAMP" 2>/dev/null)" != "$BUILD_ID" ]; then
-  key=$( { echo "$BUILD_ID"; .venv/bin/python -c "import sys, sysconfig; print(sys.version, sysconfig.get_platform())"; } \
-         | sha256sum 2>/dev/null || shasum -a 256)
+  # hashed in Python: stock macOS has no sha256sum, and a fallback after a failed pipe read the terminal
+  key=$(.venv/bin/python -c "import hashlib, sys, sysconfig
+print(hashlib.sha256(f'{sys.argv[1]}\n{sys.version} {sysconfig.get_platform()}\n'.encode()).hexdigest())" "$BUILD_ID")
   wheels="${XDG_CACHE_HOME:-$HOME/.cache}/specllama/wheels/${key:0:16}"
   if ! ls "$wheels"/llama_cpp_python-*.whl >/dev/null 2>&1; then
+    check_compiler
     echo "setup: compiling $LLAMA_CPP_PYTHON for $BUILD - about 10 minutes on 2 cores, once per build" >&2
     echo "setup: $BUILD_REASON" >&2
     mkdir -p "$wheels"

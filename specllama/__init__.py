@@ -25,6 +25,7 @@ from .errors import (
     InvalidParameterError,
     ModelNotFoundError,
     PromptTooLongError,
+    RpcError,
     SpecLlamaError,
 )
 from .options import GenerateOptions
@@ -49,6 +50,6 @@ def __getattr__(name: str) -> Any:
 __all__ = [
     "BusyError", "Chunk", "ClosedError", "ConstraintError", "ContextFullError", "DecodeError", "EmptyPromptError",
     "GenerateOptions", "IncompatibleDraftError", "InvalidModelFileError", "InvalidParameterError",
-    "MemoryPlanError", "ModelNotFoundError", "PromptTooLongError", "Result", "SamplingSettings", "SpecLlama",
-    "SpecLlamaError", "Stats", "Stream", "load",
+    "MemoryPlanError", "ModelNotFoundError", "PromptTooLongError", "Result", "RpcError", "SamplingSettings",
+    "SpecLlama", "SpecLlamaError", "Stats", "Stream", "load",
 ]

@@ -104,3 +104,34 @@ def test_doctor_with_a_model_gives_fidelity_costs_and_a_verdict(model_paths):
     assert "weights" in m["memory_plan"]
     assert m["slots"]["n_max"] == 4 and m["slots"]["note"] == "" and "possible" in m["slots"]["batch_requests"]
     assert set(m["slots"]["prefill_pieces"]) == {"target", "draft"}  # each model's long prompts beside others
+
+
+def setup_in_empty_checkout(tmp_path: Path, python: str) -> tuple[int, str]:
+    """setup.sh in a checkout with no .venv yet, with PYTHON=python."""
+    (tmp_path / "scripts").mkdir()
+    (tmp_path / "scripts" / "setup.sh").write_text(SETUP.read_text())
+    env = {**os.environ, "PYTHON": python, "CMAKE_ARGS": "-DGGML_METAL=off"}
+    done = subprocess.run(["bash", str(tmp_path / "scripts" / "setup.sh")], capture_output=True, text=True, env=env,
+                          timeout=30, cwd=tmp_path)
+    return done.returncode, done.stdout + done.stderr
+
+
+@pytest.mark.parametrize("python, says", [
+    ("python3.0-not-installed", "'python3.0-not-installed' is not on PATH"),
+    ('case "$1" in -V) echo "Python 3.9.6";; *) exit 1;; esac', "is Python 3.9.6"),
+    ('case "$2" in *venv*) exit 1;; *) exit 0;; esac', "no venv module"),
+])
+def test_setup_names_a_missing_python_before_anything_else(tmp_path, python, says):
+    if python.startswith("case"):
+        stand_in(tmp_path, "python-stand-in", python)
+        python = str(tmp_path / "python-stand-in")
+    code, out = setup_in_empty_checkout(tmp_path, python)
+    assert code == 1 and says in out, out
+    assert not (tmp_path / ".venv").exists()  # nothing made or downloaded first
+
+
+def test_setup_names_a_missing_compiler_before_compiling():
+    check = SETUP.read_text().split("check_compiler() {", 1)[1].split("\n}\n", 1)[0]
+    done = subprocess.run(["bash", "-c", f"check_compiler() {{{check}\n}}\nPATH=/nonexistent check_compiler"],
+                          capture_output=True, text=True, timeout=30)
+    assert done.returncode == 1 and "needs a C/C++ compiler" in done.stderr and "build-essential" in done.stderr
