@@ -263,15 +263,15 @@ def test_bitwise_after_a_restart_equals_a_fresh_load_row_for_row(model_paths, tm
     assert all(fresh_rows[k] == warm_rows[k] for k in shared), "rows after a restore from disk differ from a fresh load"
 
 
-def test_the_draft_s_state_comes_back_from_disk_too(model_paths, tmp_path):
+def test_the_draft_s_state_comes_back_from_disk_too(tiny_paths, tmp_path):
     """Where the draft drafts (a fixed n_draft with no verify limit), its prompt is prefilled,
-    kept at close and restored by the next load beside the target's; same prompt, same output."""
-    pair = dict(n_draft=3, exact="off", **SETTINGS)
-    prompt = conversation(1)[0]
+    kept at close and restored by the next load beside the target's; same prompt, same output.
+    The tiny attention model as target and draft: the mechanics do not depend on the pair."""
+    tiny = tiny_paths["attention-draft"]
     runs = []
     for _ in range(2):
-        with specllama.load(model_paths["target"], model_paths["draft"], prompt_cache_dir=tmp_path, **pair) as llm:
-            runs.append((llm.chat(prompt, max_tokens=12), llm.prompt_cache_info()))
+        with specllama.load(tiny, tiny, prompt_cache_dir=tmp_path, n_draft=3, exact="off", **TINY) as llm:
+            runs.append((llm.generate(PROMPT, max_tokens=12), llm.prompt_cache_info()))
     (first, _), (again, info) = runs
     assert first.stats.n_drafted > 0 and first.stats.n_draft_prompt_cached == 0
     assert info["draft"]["restored_from_disk"] == 1 and again.stats.n_draft_prompt_cached > 0

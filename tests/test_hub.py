@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -163,7 +164,8 @@ def test_subprocess_run_with_local_target_auto_draft(model_paths, pair, tmp_path
     for name in ("target", "draft", "smollm2"):
         (folder / model_paths[name].name).symlink_to(model_paths[name])
     exe = shutil.which("specllama", path=str(__import__("pathlib").Path(sys.executable).parent))
-    env = {"PATH": "/usr/bin:/bin", "HOME": str(tmp_path), "SPECLLAMA_HOME": str(tmp_path / "home"),
+    # the session's measured folder: the subject is the draft found and the text, not the first day
+    env = {"PATH": "/usr/bin:/bin", "HOME": str(tmp_path), "SPECLLAMA_HOME": os.environ["SPECLLAMA_HOME"],
            "HF_HUB_OFFLINE": "1", "HF_HUB_CACHE": str(tmp_path / "hf")}
     prompt = "def fibonacci(n):"
     proc = subprocess.run([exe, "run", str(folder / model_paths["target"].name), prompt, "--raw",

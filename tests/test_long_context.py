@@ -46,7 +46,10 @@ def test_the_long_prompts_reach_past_kv_length_600(plain, long_baseline):
         assert len(long_baseline[name].tokens) == N_TOKENS, name
 
 
-@pytest.mark.parametrize("n_draft", [2, pytest.param(3, marks=pytest.mark.slow), 6, "auto"])  # 3: between 2 and 6
+# 3 and 6 with the slow tier: on the Q4_K_M target past 256 tokens every bitwise limit is 1 on
+# our CPUs, so a fixed length beyond the one kept changed nothing here
+@pytest.mark.parametrize("n_draft", [2, pytest.param(3, marks=pytest.mark.slow),
+                                     pytest.param(6, marks=pytest.mark.slow), "auto"])
 def test_bitwise_is_token_identical_at_long_contexts(pair, long_baseline, plain_rows, monkeypatch, n_draft):
     spec_rows = {}
     record_rows(monkeypatch, pair.target, spec_rows)
@@ -67,7 +70,10 @@ def test_bitwise_is_token_identical_at_long_contexts(pair, long_baseline, plain_
     assert {"KV <= 512", "KV 768-1024"} <= set(got.stats.verify_limits), got.stats.verify_limits
 
 
-@pytest.mark.parametrize("name, exact", [("story", "rounding"), ("code", "rounding"), ("code", 1.0),
+# story at rounding: on the Q4_K_M target every limit past 256 tokens is 1 on our CPUs, so it
+# compared plain decoding with plain decoding for 45 s; code at rounding covers the level
+@pytest.mark.parametrize("name, exact", [pytest.param("story", "rounding", marks=pytest.mark.slow),
+                                         ("code", "rounding"), ("code", 1.0),
                                          pytest.param("story", 1.0, marks=pytest.mark.slow)])  # the suite's time
 def test_rounding_differs_from_plain_only_at_a_counted_near_tie(pair, long_baseline, name, exact):
     prompt = tokens_of(pair, LONG[name])

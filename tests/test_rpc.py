@@ -188,10 +188,11 @@ def test_unreachable_worker_fails_load_with_its_name(model_paths):
 
 
 @needs_rpc
-def test_a_killed_worker_is_a_clear_error_and_a_fresh_load_works(model_paths):
-    prompt = "def fibonacci(n):"
+def test_a_killed_worker_is_a_clear_error_and_a_fresh_load_works(tiny_paths):
+    # the tiny attention model as target and draft: the fault is the worker's, not the model's
+    prompt, tiny = "def fibonacci(n):", tiny_paths["attention-draft"]
     with workers(2) as (endpoints, procs):
-        llm = specllama.load(model_paths["target"], model_paths["draft"], rpc=endpoints, **SETTINGS)
+        llm = specllama.load(tiny, tiny, rpc=endpoints, **SETTINGS)
         first = llm.generate(prompt, max_tokens=8)
         procs[1].send_signal(signal.SIGKILL)
         procs[1].wait()
@@ -204,7 +205,7 @@ def test_a_killed_worker_is_a_clear_error_and_a_fresh_load_works(model_paths):
             llm.generate(prompt, max_tokens=8)
         llm.close()
     with workers(2) as (endpoints, _):
-        with specllama.load(model_paths["target"], model_paths["draft"], rpc=endpoints, **SETTINGS) as llm:
+        with specllama.load(tiny, tiny, rpc=endpoints, **SETTINGS) as llm:
             again = llm.generate(prompt, max_tokens=8)
     assert again.tokens == first.tokens
 

@@ -29,9 +29,9 @@ def claude(served):
 
 @pytest.mark.parametrize("stop", ["7", "\n5", "1\n1"])
 def test_a_streamed_chat_never_shows_text_past_a_stop_string(oai, stop):
-    whole = oai.chat.completions.create(model=SERVER_MODEL, messages=COUNT, max_tokens=80, stop=[stop], **GREEDY)
+    whole = oai.chat.completions.create(model=SERVER_MODEL, messages=COUNT, max_tokens=40, stop=[stop], **GREEDY)
     pieces, finish = [], None
-    for chunk in oai.chat.completions.create(model=SERVER_MODEL, messages=COUNT, max_tokens=80, stop=[stop],
+    for chunk in oai.chat.completions.create(model=SERVER_MODEL, messages=COUNT, max_tokens=40, stop=[stop],
                                              stream=True, **GREEDY):
         if chunk.choices:
             pieces.append(chunk.choices[0].delta.content or "")
@@ -41,13 +41,13 @@ def test_a_streamed_chat_never_shows_text_past_a_stop_string(oai, stop):
     assert whole.choices[0].finish_reason == finish == "stop"
     assert "".join(pieces) == text and stop not in text
     # without the stop string the answer does contain it: the stop is what cut it
-    free = oai.chat.completions.create(model=SERVER_MODEL, messages=COUNT, max_tokens=80, **GREEDY)
+    free = oai.chat.completions.create(model=SERVER_MODEL, messages=COUNT, max_tokens=40, **GREEDY)
     assert free.choices[0].message.content.startswith(text + stop)
 
 
 def test_anthropic_stop_sequences_end_a_stream_before_the_sequence(claude):
     texts = []
-    with claude.messages.stream(model="m", max_tokens=80, messages=COUNT, stop_sequences=["7"],
+    with claude.messages.stream(model="m", max_tokens=40, messages=COUNT, stop_sequences=["7"],
                                 extra_body=GREEDY) as stream:
         for event in stream:
             if event.type == "content_block_delta" and event.delta.type == "text_delta":
