@@ -98,8 +98,8 @@ check_compiler() {
   fi
   local free_kb
   free_kb=$(df -Pk . | awk 'NR == 2 {print $4}')
-  if [ -n "$free_kb" ] && [ "$free_kb" -lt 3000000 ]; then
-    echo "setup: warning: $((free_kb / 1024)) MiB free here; the build and the demo's models take about 3 GB" >&2
+  if [ -n "$free_kb" ] && [ "$free_kb" -lt 6000000 ]; then
+    echo "setup: warning: $((free_kb / 1024)) MiB free here; the build and the demo's models take about 6 GB" >&2
   fi
 }
 if [ ! -x .venv/bin/python ]; then
