@@ -105,7 +105,7 @@ class HubServer:
         search = (query.get("search") or [""])[0].lower()
         filters = query.get("filter") or []
         author = (query.get("author") or [None])[0]
-        out = []
+        found = []
         for repo in self.repos.values():
             if search and search not in repo.repo_id.lower():
                 continue
@@ -113,9 +113,11 @@ class HubServer:
                 continue
             if author and repo.repo_id.split("/")[0] != author:
                 continue
-            out.append({"id": repo.repo_id, "modelId": repo.repo_id, "author": repo.repo_id.split("/")[0],
-                        "downloads": repo.downloads, "tags": repo.tags, "gated": repo.gated, "private": False})
-        out.sort(key=lambda r: -r["downloads"])
+            found.append(repo)
+        found.sort(key=lambda repo: -repo.downloads)
+        out = [{"id": repo.repo_id, "modelId": repo.repo_id, "author": repo.repo_id.split("/")[0],
+                "downloads": repo.downloads, "tags": repo.tags, "gated": repo.gated, "private": False}
+               for repo in found]
         limit = int((query.get("limit") or [1000])[0])
         return out[:limit]
 
@@ -140,6 +142,7 @@ class HubServer:
         rng = h.headers.get("Range")
         if rng:
             m = re.match(r"bytes=(\d+)-(\d*)", rng)
+            assert m is not None, rng
             start = int(m.group(1))
             end = min(int(m.group(2)) if m.group(2) else size - 1, size - 1)
             status = 206

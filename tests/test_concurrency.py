@@ -93,10 +93,10 @@ def test_a_turn_released_by_a_thread_not_holding_it_raises_but_after_an_interrup
     def acquire_interrupted(blocking: bool = True) -> bool:
         raise KeyboardInterrupt  # Ctrl-C while waiting to take the turn back
 
-    turns.acquire = acquire_interrupted  # type: ignore[method-assign]
+    turns.acquire = acquire_interrupted
     with pytest.raises(KeyboardInterrupt):
         turns.pass_turn()
-    turns.acquire = original  # type: ignore[method-assign]
+    turns.acquire = original
     turns.release()  # the with-block's release: nothing to give up, once
     with pytest.raises(RuntimeError, match="does not hold"):
         turns.release()

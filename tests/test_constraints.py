@@ -133,7 +133,9 @@ def plain_constrained(llm, tokens: list[int], n_max: int, constraint: Constraint
 
 
 def _grammar(llm, **kw) -> Grammar:
-    return Grammar(llm.target.grammar_tokenizer(), grammar_source(**kw))
+    source = grammar_source(**kw)
+    assert source is not None
+    return Grammar(llm.target.grammar_tokenizer(), source)
 
 
 CASES = {

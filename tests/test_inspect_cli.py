@@ -19,7 +19,9 @@ def cli(*args: str) -> subprocess.CompletedProcess:
 
 def planned(out: str, role: str, what: str) -> float:
     line = next(line for line in out.splitlines() if line.startswith(f"{role} "))
-    return float(re.search(rf"{what} ([\d.]+) GiB", line).group(1))
+    found = re.search(rf"{what} ([\d.]+) GiB", line)
+    assert found is not None, (what, line)
+    return float(found.group(1))
 
 
 def test_plan_shows_what_each_model_needs_from_its_header(model_paths):

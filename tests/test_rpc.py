@@ -60,6 +60,7 @@ def workers(n: int, ports: list[int] | None = None):
 
 
 def _wait_for_line(proc: subprocess.Popen, text: bytes, said: threading.Event) -> None:
+    assert proc.stderr is not None
     for line in proc.stderr:
         if text in line:
             said.set()

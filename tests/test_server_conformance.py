@@ -263,7 +263,8 @@ def fuzz_bodies(rng: random.Random, n: int):
         if kind < 7:  # one to three fields of a wrong type
             for name in rng.sample(sorted(base), rng.randint(1, 3)):
                 body[name] = wrong_value(rng)
-            if isinstance(body.get("max_tokens"), int) and body["max_tokens"] > 4:
+            max_tokens = body.get("max_tokens")
+            if isinstance(max_tokens, int) and max_tokens > 4:
                 body["max_tokens"] = 4  # a valid body must stay short to run
             body["max_completion_tokens"] = 2 if path.endswith("chat/completions") else None
             yield path, json.dumps({k: v for k, v in body.items() if v is not None})

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Optional
+
 import numpy as np
 import pytest
 
@@ -28,22 +30,30 @@ def without(q: np.ndarray, tokens: list[int]) -> np.ndarray:
 def draw_tree(rng: np.random.Generator, lookup: bool) -> tuple[list[int], list[int], list]:
     """Root children: (lookup's token 3, deterministic,) then two draft tokens drawn without
     replacement; the first draft child has two children of its own, drawn the same way."""
-    tokens, parents, q = [], [], []
+    tokens: list[int] = []
+    parents: list[int] = []
+    q: list[Optional[Dist]] = []
     taken: list[int] = []
     if lookup:
-        tokens.append(3), parents.append(-1), q.append(None)
+        tokens.append(3)
+        parents.append(-1)
+        q.append(None)
         taken.append(3)
     for _ in range(2):
         q_j = without(Q_ROOT, taken)
         x = int(rng.choice(V, p=q_j))
-        tokens.append(x), parents.append(-1), q.append(Dist.from_dense(q_j))
+        tokens.append(x)
+        parents.append(-1)
+        q.append(Dist.from_dense(q_j))
         taken.append(x)
     first_draft = len(tokens) - 2
     taken = []
     for _ in range(2):
         q_j = without(Q_AFTER, taken)
         x = int(rng.choice(V, p=q_j))
-        tokens.append(x), parents.append(first_draft), q.append(Dist.from_dense(q_j))
+        tokens.append(x)
+        parents.append(first_draft)
+        q.append(Dist.from_dense(q_j))
         taken.append(x)
     return tokens, parents, q
 
