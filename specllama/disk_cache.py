@@ -252,17 +252,17 @@ class DiskCache:
         if any(_covers(e, state) for e in kept):
             return  # a file already holds all of it
         row = b"" if state.prefill_row is None else np.ascontiguousarray(state.prefill_row.logits, np.float32).tobytes()
-        n_total = len(MAGIC) + _HEAD.size + len(row) + state.n_bytes
-        if n_total > self.n_bytes:
-            log.info("prompt cache: a state of %.0f MiB is over the disk budget of %.0f MiB; not kept",
-                     n_total / 2**20, self.n_bytes / 2**20)
-            return
         head = json.dumps({
             "key": key, "model": model, "tokens": state.tokens, "n_canonical": state.n_canonical,
             "scope": state.scope, "written": time.time(), "n_row": len(row) // 4, "n_state": state.n_bytes,
             "row": None if state.prefill_row is None else [state.prefill_row.n_tokens, state.prefill_row.canonical],
             "crc": zlib.crc32(state.data, zlib.crc32(row)),
         }).encode()
+        n_total = len(MAGIC) + _HEAD.size + len(head) + len(row) + state.n_bytes
+        if n_total > self.n_bytes:
+            log.info("prompt cache: a state of %.0f MiB is over the disk budget of %.0f MiB; not kept",
+                     n_total / 2**20, self.n_bytes / 2**20)
+            return
         fd, tmp = tempfile.mkstemp(prefix=".writing-", dir=self.folder)
         try:
             with os.fdopen(fd, "wb") as f:

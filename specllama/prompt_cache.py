@@ -189,9 +189,12 @@ class PromptCache:
         self.n_reused += n_best
         if self.disk is not None and len(tokens) - n_best >= max(DISK_MIN_PREFILL, n_best):
             # a long prompt mostly seen for the first time (a chat's or an agent's system prompt)
-            state = rt.save_state()
-            state.scope = scope
-            self._spill(state)
+            try:
+                state = rt.save_state()
+                state.scope = scope
+                self._spill(state)
+            except DecodeError as e:  # an optimization: the request goes on without it
+                log.warning("prompt cache: the prompt not kept on disk (%s)", e)
         return Reuse(n_best, source, exact)
 
     def _reusable(self, cached: Sequence[int], n_canonical: int, row: Optional[KeptRow], tokens: Sequence[int],
@@ -305,7 +308,10 @@ def close_caches(caches: Sequence[PromptCache], budget: Budget, disk: Optional[D
         return
     t0 = time.perf_counter()
     for cache in caches:
-        cache.persist()
+        try:
+            cache.persist()
+        except Exception as e:  # a lost RPC host, a context llama.cpp cannot copy: close() still frees all
+            log.warning("prompt cache: %s's conversation not kept on disk (%s)", cache.runtime.name, e)
     disk.flush()
     disk.close()
     budget.entries.clear()
