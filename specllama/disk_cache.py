@@ -30,7 +30,7 @@ import tempfile
 import threading
 import time
 import zlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
@@ -331,8 +331,6 @@ class Shelf:
     disk: DiskCache
     key: dict
     model: str
-    n_restored: int = field(default=0)
-    n_reused: int = field(default=0)
 
     def entries(self) -> list[Entry]:
         return self.disk.entries(self.key)
