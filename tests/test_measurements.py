@@ -41,17 +41,23 @@ def load_taking_the_cached_curve(open_llm, attempts: int = 4, pause: float = 10.
     return open_llm()
 
 
-@pytest.mark.parametrize("curve", [FLAT_BUSY, SLOW_NON_MONOTONE], ids=["flat-and-slow", "non-monotone"])
-def test_a_curve_a_busy_machine_wrote_is_measured_again(model_paths, home, quiet_process, curve):
+def loaded_over_a_busy_curve(model_paths, key: str, curve: list[float]):
+    """A load after a busy machine cached `curve`: not trusted, the load's first estimate (timed on
+    this machine as it is) stands in and the curve is queued to be measured again."""
+    records.write(key, records.costs_value(curve, BUSY_DRAFT), "a busy machine")
+    llm = load(model_paths)
+    assert llm.planner.book.source == "first estimate timed at load", curve
+    first = llm.planner.book.get()
+    assert first is not None and first.v(1) < 0.5 < curve[0] and first.draft_token < 0.5
+    assert "the decode-cost curve" in llm.idle.pending()
+    return llm
+
+
+def test_a_curve_a_busy_machine_wrote_is_measured_again(model_paths, home, quiet_process):
     with load(model_paths) as llm:
         key = calibrate.costs_key(llm.target, llm.draft)
-    records.write(key, records.costs_value(curve, BUSY_DRAFT), "a busy machine")
-    with load(model_paths) as llm:
-        # not trusted: the load's first estimate stands in, timed on this machine as it is
-        assert llm.planner.book.source == "first estimate timed at load"
-        first = llm.planner.book.get()
-        assert first is not None and first.v(1) < 0.5 < curve[0] and first.draft_token < 0.5
-        assert "the decode-cost curve" in llm.idle.pending()
+    loaded_over_a_busy_curve(model_paths, key, FLAT_BUSY).close()  # flat like a GPU's, yet slow
+    with loaded_over_a_busy_curve(model_paths, key, SLOW_NON_MONOTONE) as llm:
         r = llm.generate("def f(x):", max_tokens=8)
         assert any("decode-cost curve" in m for m in r.stats.measurements_pending)
         assert r.stats.sources["decode_costs"].startswith("first estimate timed at load")
@@ -60,7 +66,7 @@ def test_a_curve_a_busy_machine_wrote_is_measured_again(model_paths, home, quiet
             if "the decode-cost curve" not in llm.idle.pending():
                 break
         costs = llm.planner.book.get()
-        assert costs is not None and costs.v(1) < 0.5 < curve[0] and costs.draft_token < 0.5
+        assert costs is not None and costs.v(1) < 0.5 < SLOW_NON_MONOTONE[0] and costs.draft_token < 0.5
         assert llm.generate("def f(x):", max_tokens=24).stats.controller["v_ms"][1] < 500
     stored = records.read(key)
     assert stored["how"] == "probe while idle" and stored["verify"][0] < 0.5
