@@ -18,6 +18,7 @@ from .concurrency_probes import plan_pieces
 from .decode import Decoding, generate_steps
 from .errors import ClosedError, InvalidParameterError
 from .fidelity import Limits, parse_level
+from .generation import accepted_tokens, finish_stats, in_turns, prefill
 from .idle import PROCESS, IdleWork, idle_wanted
 from .llama_api import LlamaApi
 from .messages import normalize as normalize_messages
@@ -27,7 +28,6 @@ from .planner import Planner
 from .request import Request
 from .disk_cache import DISK_MB
 from .prompt_cache import Budget, PromptCache, cache_report, close_caches, open_disk
-from .runtime.ggml import resident_bytes
 from .runtime.protocols import Drafter, Model
 from .sampling import SamplingSettings
 from .sharing import Sharing, open_sharing, why_not_shared
@@ -243,7 +243,7 @@ class SpecLlama(LlamaApi, BatchApi):
         return Request(prompt, sampling, max_tokens, o.seed, tuple(o.stop or ()),
                        self.n_draft if o.n_draft is None else check_n_draft(o.n_draft),
                        self.level if o.exact is None else parse_level(o.exact), constraint, o.logprobs,
-                       self.tree if o.tree is None else self._check_tree(o.tree), o.cache_scope)
+                       self.tree if o.tree is None else self._check_tree(o.tree), o.cache_scope, o.on_progress)
 
     def _check_tree(self, tree: Any) -> Union[int, str]:
         tree = check_tree(tree)
@@ -290,22 +290,13 @@ class SpecLlama(LlamaApi, BatchApi):
             steps: Optional[Generator[Any, None, None]] = None
             detokenizer, matcher = Detokenizer(), StopMatcher(req.stop)
             try:
-                # the prompt cache: bitwise and seeded sampling reuse only what a fresh prefill
-                # computes bit for bit; otherwise all that matches, and the rows carry the
-                # measured difference of reuse (an assumed one until measured) into the
-                # near-tie tolerance
-                with self._models:
-                    reuse = slot.target_cache.prefill(req.prompt, req.canonical, req.cache_scope)
-                stats.t_prefill = time.perf_counter() - t_start
-                stats.n_prompt_cached, stats.prompt_cache, stats.prompt_cache_exact = \
-                    reuse.n_reused, reuse.source, reuse.exact
-                if not reuse.exact:
-                    limits.reuse = self.reuse_diffs
+                if not prefill(slot.target_cache, req, self._models, stats, t_start).exact:
+                    limits.reuse = self.reuse_diffs  # rows carry the difference of reuse into the tolerance
                 steps = generate_steps(Decoding(slot.target, proposer, policy, req.sampling,
                                                 np.random.default_rng(req.seed), limits, stats, req.constraint,
                                                 req.n_logprobs), req.prompt)
                 finish = "length"  # running out of context also ends here, and an error mid-way
-                finish = yield from self._emit(_in_turns(steps, self._models), req, outcome, tokens, texts, detokenizer,
+                finish = yield from self._emit(in_turns(steps, self._models), req, outcome, tokens, texts, detokenizer,
                                                matcher)
             except GeneratorExit:
                 finish = "cancelled"
@@ -314,7 +305,7 @@ class SpecLlama(LlamaApi, BatchApi):
                 if steps is not None:
                     with self._models:  # the rollback of an interrupted round decodes
                         steps.close()
-                _finish_stats(stats, req, tokens, finish, matcher.stopped, limits, policy, t_start,
+                finish_stats(stats, req, tokens, finish, matcher.stopped, limits, policy, t_start,
                               slot.target.n_replayed - n_replayed, self.target, self.draft)
                 stats.slot = slot.index
                 self.planner.account(stats, req, policy, learned_before)
@@ -326,7 +317,7 @@ class SpecLlama(LlamaApi, BatchApi):
               detokenizer: Detokenizer, matcher: StopMatcher) -> Generator[Chunk, None, str]:
         """Chunks of the accepted tokens until a stop, max_tokens or a cancel; the finish reason."""
         finish = "length"
-        for token, from_draft, logprob in _accepted_tokens(steps):
+        for token, from_draft, logprob in accepted_tokens(steps):
             if outcome.cancel.is_set():
                 return "cancelled"
             if self.target.is_eog(token):
@@ -346,49 +337,3 @@ class SpecLlama(LlamaApi, BatchApi):
             texts.append(tail)
             yield Chunk(tail, [], [])
         return finish
-
-
-def _finish_stats(stats: Stats, req: Request, tokens: list[int], finish: str, stopped: bool, limits: Limits,
-                  policy: Any, t_start: float, n_replayed: int, target: Model, draft: Optional[Drafter]) -> None:
-    stats.n_generated = len(tokens)
-    stats.verify_limits = limits.used
-    stats.measurements_pending = sorted(limits.waiting)
-    if req.constraint is not None:
-        stats.n_constrained_rows, stats.t_constraint = req.constraint.n_rows, req.constraint.seconds
-    stats.controller = policy.as_dict()
-    _keep_near_ties(stats, len(tokens) + (finish == "stop" and not stopped), req.sampling)
-    stats.t_total = time.perf_counter() - t_start
-    stats.n_replayed = n_replayed
-    for runtime, name in ((target, "n_bytes_target"), (draft, "n_bytes_draft")):
-        if runtime is not None and runtime.memory_use is not None:
-            setattr(stats, name, runtime.memory_use.total)
-    stats.n_bytes_resident = resident_bytes()
-
-
-def _keep_near_ties(stats: Stats, n_decided: int, sampling: SamplingSettings) -> None:
-    """Near-ties among the tokens this generation decided (the emitted ones, and an end-of-
-    generation token that ended it); rounds may have run past max_tokens or a stop string."""
-    if not sampling.greedy:
-        stats.near_ties = None  # sampled rows have no single choice to flip
-    stats.near_tie_positions = [p for p in stats.near_tie_positions if p < n_decided]
-    if stats.near_ties is not None:
-        stats.near_ties = len(stats.near_tie_positions)
-
-
-def _in_turns(steps: Iterator[Any], turn: Any) -> Iterator[Any]:
-    """steps, each one computed in the models' turn (the other slots' rounds wait for it, and
-    this one waits for theirs): between steps, nothing is held."""
-    while True:
-        with turn:
-            step = next(steps, None)
-        if step is None:
-            return
-        yield step
-
-
-def _accepted_tokens(steps: Iterator[Any]) -> Iterator[tuple[int, bool, Any]]:
-    """(token, came from the draft, its logprobs or None) for every token the rounds accept."""
-    for step in steps:
-        for i, token in enumerate(step.tokens):
-            yield token, i < step.n_from_draft, None if step.logprobs is None else step.logprobs[i]
-

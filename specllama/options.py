@@ -5,7 +5,7 @@ generation starts (engine.SpecLlama._request); a prompt is checked by prompt_tok
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, fields
 from typing import Any, Optional, Union, cast
 
@@ -38,6 +38,10 @@ class GenerateOptions:
         cache_scope: prompt-cache states are reused only by generations of the same scope (the
             server gives each API key its own, so no client's cached prompt speeds up, or shows
             in the cached counts of, another's); "" for the one shared scope.
+        on_progress: called with a streams.PromptProgress as the prompt's prefill goes: where it
+            starts (what a cache held), after each batch, and at the whole prompt (mlx-lm's
+            prompt_progress_callback; the server's return_progress). It runs while the models
+            are held: keep it quick.
     """
 
     max_tokens: Optional[int] = 256
@@ -59,6 +63,7 @@ class GenerateOptions:
     penalty_last_n: int = 64
     logprobs: Optional[int] = None
     cache_scope: str = ""
+    on_progress: Optional[Callable[[Any], None]] = None
 
     def __post_init__(self) -> None:
         if self.max_tokens is not None and (isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int)
@@ -77,6 +82,8 @@ class GenerateOptions:
         if not isinstance(self.cache_scope, str):
             raise InvalidParameterError("cache_scope", self.cache_scope, 'a string naming whose prompts may be reused '
                                         '("" for all)')
+        if self.on_progress is not None and not callable(self.on_progress):
+            raise InvalidParameterError("on_progress", self.on_progress, "a function taking a PromptProgress, or None")
         if self.n_draft is not None:
             check_n_draft(self.n_draft)
         if self.tree is not None:

@@ -25,7 +25,7 @@ from typing import Any, Optional, Protocol
 
 from .disk_cache import DISK_MIN_PREFILL, DiskCache, Entry, Shelf
 from .errors import DecodeError
-from .runtime.protocols import Model
+from .runtime.protocols import Model, Progress
 from .runtime.session import common_prefix
 from .runtime.state import SavedState
 from .runtime.state_key import state_key
@@ -137,13 +137,15 @@ class PromptCache:
     def disk(self) -> Optional[Shelf]:
         return self.owner.shelf
 
-    def prefill(self, tokens: Sequence[int], canonical: bool, scope: str = "") -> Reuse:
+    def prefill(self, tokens: Sequence[int], canonical: bool, scope: str = "",
+                progress: Optional[Progress] = None) -> Reuse:
         """Make the runtime hold tokens, with logits for the last one, reusing what it can.
 
         Args:
             tokens: the prompt (at least one token).
             canonical: reuse only what a fresh prefill computes bit for bit.
             scope: reuse only states prefilled in this scope (GenerateOptions.cache_scope).
+            progress: told the tokens cached where the prefill starts and after each batch.
         """
         rt, chunk = self.runtime, self.runtime.n_batch
         best: Optional[SavedState] = None
@@ -183,19 +185,23 @@ class PromptCache:
                 log.warning("%s; prefilling the prompt instead", e)
                 n_best, exact, source = 0, True, "none"
         self.scope = scope  # before the prefill: a failed one leaves no other scope's prompt reusable
-        n_best = rt.prefill(tokens, n_best)
+        n_best = rt.prefill(tokens, n_best, progress)
         self.n_hits += n_best > 0
         self.n_misses += n_best == 0
         self.n_reused += n_best
         if self.disk is not None and len(tokens) - n_best >= max(DISK_MIN_PREFILL, n_best):
-            # a long prompt mostly seen for the first time (a chat's or an agent's system prompt)
-            try:
-                state = rt.save_state()
-                state.scope = scope
-                self._spill(state)
-            except DecodeError as e:  # an optimization: the request goes on without it
-                log.warning("prompt cache: the prompt not kept on disk (%s)", e)
+            self._snapshot(scope)
         return Reuse(n_best, source, exact)
+
+    def _snapshot(self, scope: str) -> None:
+        """A copy for the disk of a long prompt mostly seen for the first time (a chat's or an
+        agent's system prompt), written in the background."""
+        try:
+            state = self.runtime.save_state()
+            state.scope = scope
+            self._spill(state)
+        except DecodeError as e:  # an optimization: the request goes on without it
+            log.warning("prompt cache: the prompt not kept on disk (%s)", e)
 
     def _reusable(self, cached: Sequence[int], n_canonical: int, row: Optional[KeptRow], tokens: Sequence[int],
                   canonical: bool) -> tuple[int, bool]:

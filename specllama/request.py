@@ -3,12 +3,14 @@ planner and the decode loop read them (engine.SpecLlama._request builds it)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Optional, Union
 
 from .constraints import Constraint
 from .fidelity import Level
 from .sampling import SamplingSettings
+from .streams import PromptProgress
 
 
 @dataclass(frozen=True)
@@ -26,6 +28,7 @@ class Request:
     n_logprobs: Optional[int] = None
     tree: Union[int, str] = "auto"
     cache_scope: str = ""  # whose prompt-cache states this generation may reuse
+    on_progress: Optional[Callable[[PromptProgress], None]] = None  # told how the prefill goes
 
     @property
     def seeded(self) -> bool:

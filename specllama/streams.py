@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import threading
-from collections.abc import Generator
+import time
+from collections.abc import Callable, Generator
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -19,6 +20,47 @@ class Chunk:
     from_draft: list[bool]
     # with logprobs asked for: per token, (its logprob, [(token, logprob), ...] top alternatives)
     logprobs: Optional[list[tuple[float, list[tuple[int, float]]]]] = None
+
+
+@dataclass(frozen=True)
+class PromptProgress:
+    """How far the prefill of a generation's prompt has come, in llama-server's prompt_progress
+    terms: the prompt's tokens (total), those a cache held (cache), those in the context now,
+    the cached ones included (processed), and the milliseconds the prefill has taken."""
+
+    total: int
+    cache: int
+    processed: int
+    time_ms: float
+
+    def as_dict(self) -> dict:
+        return {"total": self.total, "cache": self.cache, "processed": self.processed,
+                "time_ms": round(self.time_ms, 3)}
+
+
+class ProgressReport:
+    """The target's prefill counts (runtime.protocols.Progress) as PromptProgress for a
+    generation's on_progress: the first count is what a cache held, each new count one more
+    event, and done() ends on the whole prompt (reused whole, or decoded by a host that tells
+    only the end)."""
+
+    def __init__(self, on_progress: Callable[[PromptProgress], None], n_total: int):
+        self._on_progress, self._n_total = on_progress, n_total
+        self._t_start = time.perf_counter()
+        self._n_cache: Optional[int] = None
+        self._n_last = -1
+
+    def __call__(self, n_cached: int) -> None:
+        if n_cached == self._n_last:
+            return
+        if self._n_cache is None:
+            self._n_cache = n_cached
+        self._n_last = n_cached
+        self._on_progress(PromptProgress(self._n_total, self._n_cache, n_cached,
+                                         (time.perf_counter() - self._t_start) * 1000))
+
+    def done(self) -> None:
+        self(self._n_total)
 
 
 @dataclass

@@ -6,6 +6,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -240,3 +241,46 @@ def test_an_interrupt_inside_code_built_from_a_string_still_exits_130(tmp_path):
     finally:
         proc.kill()
     assert proc.returncode == 130 and err == "\ninterrupted\n", (proc.returncode, err)
+
+
+def test_a_long_prefill_shows_a_bar_that_is_gone_when_the_answer_starts(model_paths, tmp_path):
+    """SmolLM2 reads about 2,000 tokens in about 4 s on 2 cores: long enough for the bar (its first
+    batch says the prefill will take over two seconds), short enough for the suite."""
+    prompt = tmp_path / "prompt.txt"
+    prompt.write_text("The sea was calm and the ships sailed on. " * 200 + "\nIn one word, the sea was")
+    child = pexpect.spawn(sys.executable, ["-m", "specllama", "run", str(model_paths["smollm2"]), "--draft", "none",
+                                           "--raw", "-f", str(prompt), "--max-tokens", "3", "--threads",
+                                           str(SETTINGS["n_threads"])], encoding="utf-8", timeout=300,
+                          dimensions=(ROWS, COLS))
+    child.logfile_read = io.StringIO()
+    try:
+        child.expect(pexpect.EOF)
+    finally:
+        child.close(force=True)
+    assert child.exitstatus == 0, child.before
+    seen = child.logfile_read.getvalue()
+    drawn = [part for part in seen.split("\033[2K") if part.startswith("reading the prompt [")]
+    assert len(drawn) >= 3 and re.match(r"reading the prompt \[#+-+\] 512/2,\d{3} tokens \(\d+%\), \d+ s left",
+                                        drawn[0]), drawn  # each batch redraws it
+    assert not any("reading the prompt" in line for line in screen_of(seen))  # gone once the answer began
+
+
+def test_the_prefill_bar_is_drawn_only_for_a_long_prefill_and_says_how_far_it_is():
+    from specllama.cli.screen import PrefillBar
+    from specllama.streams import PromptProgress
+
+    for batch_ms, drawn in ((100.0, 0), (1500.0, 4)):  # 4 batches of 0.1 s, or of 1.5 s
+        lines: list[str] = []
+        bar = PrefillBar(lines.append)
+        for i in range(5):
+            bar(PromptProgress(total=2048 + 256, cache=256, processed=256 + 512 * i, time_ms=batch_ms * i))
+        assert len(lines) == drawn, lines
+    assert lines[0] == "reading the prompt [######--------------] 768/2,304 tokens (33%), 256 cached, 4 s left"
+    assert lines[-1] == "reading the prompt [####################] 2,304/2,304 tokens (100%), 256 cached"
+    cleared: list[str] = []
+    bar = PrefillBar(lines.append, lambda: cleared.append("clear"))
+    bar.close()
+    bar(PromptProgress(total=100_000, cache=0, processed=512, time_ms=1000.0))
+    assert "about" not in lines[-1] and "3 min 14 s left" in lines[-1]
+    bar.close()
+    assert cleared == ["clear"]  # cleared once, and only once drawn

@@ -12,6 +12,7 @@ from collections.abc import Callable
 from typing import Any, Optional, TextIO
 
 from ..errors import PromptTooLongError, SpecLlamaError
+from .screen import PrefillBar
 
 HELP = ("/reset forgets the conversation, /stats shows the last answer's figures, /help this line, /bye or "
         "Ctrl-D leaves; Ctrl-C stops an answer")
@@ -78,10 +79,12 @@ def chat_loop(llm: Any, options: dict, *, system: Optional[str] = None, show_sta
 
 def _answer(llm: Any, history: list[dict], options: dict, out: TextIO, err: TextIO) -> tuple[Optional[str], Any]:
     """Stream one answer; (its text, its stats), or (None, None) when it could not start."""
+    bar = PrefillBar(lambda line: _draw(err, line), lambda: _draw(err, ""))
     try:
         tokens = llm.chat_tokens(history)
         room = llm.target.n_ctx - len(tokens)
-        stream = llm.stream(tokens, **{"max_tokens": max(1, room), **options})
+        stream = llm.stream(tokens, **{"max_tokens": max(1, room), **options,
+                                       "on_progress": bar if err.isatty() else None})
     except PromptTooLongError as e:
         err.write(f"{e}; /reset starts a new conversation\n")
         return None, None
@@ -91,6 +94,7 @@ def _answer(llm: Any, history: list[dict], options: dict, out: TextIO, err: Text
     pieces = []
     try:
         for chunk in stream:
+            bar.close()
             out.write(chunk.text)
             out.flush()
             pieces.append(chunk.text)
@@ -100,5 +104,13 @@ def _answer(llm: Any, history: list[dict], options: dict, out: TextIO, err: Text
     except SpecLlamaError as e:
         stream.close()
         err.write(f"\n{type(e).__name__}: {e}\n")
+    finally:
+        bar.close()
     out.write("\n")
     return "".join(pieces), stream.result.stats if stream.result is not None else None
+
+
+def _draw(err: TextIO, line: str) -> None:
+    """line in place of the terminal's current line (stderr)."""
+    err.write(f"\r\033[2K{line}")
+    err.flush()

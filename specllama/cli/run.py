@@ -11,7 +11,7 @@ import click
 
 from ..options import GenerateOptions
 from .app import main
-from .screen import Screen, install_notes
+from .screen import PrefillBar, Screen, install_notes
 from .options import ModelChoice, generation_options, model_options
 
 
@@ -46,7 +46,8 @@ def run(choice: ModelChoice, prompt: Optional[str], gen: GenerateOptions, prompt
             tokens = llm.chat_tokens(messages)
         else:
             tokens = llm.tokenize(prompt)
-        stream = llm.stream(tokens, **gen.as_kwargs())
+        bar = PrefillBar(screen.status)
+        stream = llm.stream(tokens, **{**gen.as_kwargs(), "on_progress": None if as_json else bar})
         if as_json:
             for _ in stream:
                 pass

@@ -9,6 +9,7 @@ One Screen owns both streams, so nothing else prints into an answer:
   (the wrap it owes is forgotten, and the next character overwrites the last column), so the
   screen follows the answer's column and waits for the next token there. Where stdout is not the terminal (piped), the
   status line is stderr's one line rewritten in place; where stderr is not a terminal, none;
+- a long prompt's prefill is a bar on the status line (PrefillBar) until the answer starts;
 - specllama's log lines (a measurement while the person types, a warning) are held and shown
   on lines of their own between answers (notes()), never inside one.
 """
@@ -21,7 +22,8 @@ import shutil
 import sys
 import threading
 import unicodedata
-from typing import Optional, TextIO
+from collections.abc import Callable
+from typing import Any, Optional, TextIO
 
 
 class Notes(logging.Handler):
@@ -146,3 +148,46 @@ def advance(column: int, text: str, width: int) -> int:
             n = 2 if unicodedata.east_asian_width(ch) in "WF" else 1
             column = n if column + n > width else column + n
     return column
+
+
+class PrefillBar:
+    """A prompt's prefill as a status line (an on_progress for stream()), drawn only where the
+    prefill looks to take min_seconds or more (timed on its first batch): a short prompt draws
+    nothing. close() clears a drawn bar before the answer."""
+
+    def __init__(self, draw: Callable[[str], None], clear: Callable[[], None] = lambda: None,
+                 min_seconds: float = 2.0):
+        self._draw, self._clear, self._min_seconds = draw, clear, min_seconds
+        self.shown = False
+
+    def __call__(self, progress: Any) -> None:
+        n_done = progress.processed - progress.cache
+        if n_done <= 0:
+            return
+        seconds = progress.time_ms / 1000
+        seconds_left = seconds * (progress.total - progress.processed) / n_done
+        if not self.shown and seconds + seconds_left < self._min_seconds:
+            return
+        self.shown = True
+        self._draw(bar_line(progress, seconds_left))
+
+    def close(self) -> None:
+        if self.shown:
+            self._clear()
+            self.shown = False
+
+
+def bar_line(progress: Any, seconds_left: float, width: int = 20) -> str:
+    """"reading the prompt [#####---------------] 2,048/8,192 tokens (25%), 512 cached, 1 min 4 s left"."""
+    share = progress.processed / progress.total if progress.total else 1.0
+    n_full = int(share * width)
+    cached = f", {progress.cache:,} cached" if progress.cache else ""
+    left = f", {_duration(seconds_left)} left" if progress.processed < progress.total else ""
+    return (f"reading the prompt [{'#' * n_full}{'-' * (width - n_full)}] {progress.processed:,}/{progress.total:,} "
+            f"tokens ({share:.0%}){cached}{left}")
+
+
+def _duration(seconds: float) -> str:
+    if seconds < 60:
+        return f"{seconds:.0f} s"
+    return f"{int(seconds // 60)} min {int(seconds % 60)} s"

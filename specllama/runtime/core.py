@@ -25,7 +25,7 @@ from .decoder import check_status, llama_decode
 from .ggml import MemoryUse
 from .handles import Batch, Handle
 from .memory import memory_of
-from .protocols import Beside
+from .protocols import Beside, Progress
 from .settings import ModelSettings
 from .state import PrefillRow, SavedState, restore_sequence, save_sequence
 from .trees import TreeDecode, TreeDecoding
@@ -56,9 +56,11 @@ def _next_batch(runtime: "Runtime", start: int, chunk_end: int, n_logits: int, t
     return piece_end(start, chunk_end, int(PIECE_SECONDS / t_row) if t_row else 0, n_piece)
 
 
-def _decode_batches(runtime: "Runtime", tokens: Sequence[int], n_past: int, n_logits: int, aligned: bool) -> int:
+def _decode_batches(runtime: "Runtime", tokens: Sequence[int], n_past: int, n_logits: int, aligned: bool,
+                    progress: Optional[Progress]) -> int:
     """Runtime.decode's batches: tokens at n_past.. in chunks (pieces where _next_batch cuts
-    them), each appended to runtime.cached once decoded; the first logit row the last one kept."""
+    them), each appended to runtime.cached once decoded (and told to progress); the first
+    logit row the last one kept."""
     t_row, first = 0.0, 0  # seconds a row of the last piece took
     for start, chunk_end in chunk_bounds(n_past, len(tokens), runtime.n_batch, aligned):
         while start < chunk_end:
@@ -72,6 +74,8 @@ def _decode_batches(runtime: "Runtime", tokens: Sequence[int], n_past: int, n_lo
             if runtime.mtp_head is not None:
                 runtime.mtp_head.follow(runtime.cached, n_past + start)
             start = end
+            if progress is not None:
+                progress(len(runtime.cached))
     return first
 
 
@@ -203,7 +207,8 @@ class Runtime(Vocab, TreeDecoding):
 
     # --- decoding -----------------------------------------------------------------------------
 
-    def decode(self, tokens: Sequence[int], *, n_logits: int = 1, aligned: bool = False) -> None:
+    def decode(self, tokens: Sequence[int], *, n_logits: int = 1, aligned: bool = False,
+               progress: Optional[Progress] = None) -> None:
         """Append tokens to the KV cache at positions len(cached)..; keep logits for the last n_logits.
 
         Tokens go to llama.cpp in chunks of at most n_batch; aligned chunks end at multiples of
@@ -228,7 +233,8 @@ class Runtime(Vocab, TreeDecoding):
         self._rows.clear()
         self._memory.before_decode(n_past, len(tokens))
         try:
-            self._rows.n, self._rows.first = n_logits, _decode_batches(self, tokens, n_past, n_logits, aligned)
+            self._rows.n, self._rows.first = n_logits, _decode_batches(self, tokens, n_past, n_logits, aligned,
+                                                                       progress)
         except BaseException as e:
             self._rows.clear()
             if not isinstance(e, Interrupted):  # stopped between two batches: those decoded stay
@@ -344,10 +350,10 @@ class Runtime(Vocab, TreeDecoding):
 
     # --- the session: prefill, sync, saved states ----------------------------------------------
 
-    def prefill(self, tokens: Sequence[int], n_reuse: int) -> int:
+    def prefill(self, tokens: Sequence[int], n_reuse: int, progress: Optional[Progress] = None) -> int:
         """session.prefill: the prompt in aligned chunks after n_reuse cached tokens; the reused count."""
         self._settle()
-        return session.prefill(self, tokens, n_reuse)
+        return session.prefill(self, tokens, n_reuse, progress)
 
     def sync(self, tokens: Sequence[int]) -> None:
         """session.sync: the cache holds tokens, with logits for the last one."""

@@ -3,7 +3,7 @@ implementation says what it provides (Runtime, RemoteRuntime, MtpHead)."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Optional, Protocol, Union
 
@@ -13,6 +13,10 @@ from ..tree import Tree
 from .ggml import MemoryUse
 from .settings import ModelSettings
 from .state import PrefillRow, SavedState
+
+
+Progress = Callable[[int], None]
+"""Told, after each batch of a prefill, how many of the prompt's tokens the cache holds now."""
 
 
 class Beside(Protocol):
@@ -139,7 +143,8 @@ class Model(Vocabulary, Protocol):
     @property
     def n_pending(self) -> int: ...
 
-    def decode(self, tokens: Sequence[int], *, n_logits: int = 1, aligned: bool = False) -> None: ...
+    def decode(self, tokens: Sequence[int], *, n_logits: int = 1, aligned: bool = False,
+               progress: Optional[Progress] = None) -> None: ...
 
     def decode_tree(self, root: int, tokens: Sequence[int], tree: Tree) -> None: ...
 
@@ -161,7 +166,7 @@ class Model(Vocabulary, Protocol):
 
     def sync(self, tokens: Sequence[int]) -> None: ...
 
-    def prefill(self, tokens: Sequence[int], n_reuse: int) -> int: ...
+    def prefill(self, tokens: Sequence[int], n_reuse: int, progress: Optional[Progress] = None) -> int: ...
 
     def save_state(self) -> SavedState: ...
 

@@ -27,6 +27,7 @@ from ..tree import Tree
 from . import session
 from .ggml import MemoryUse
 from .host_link import Host
+from .protocols import Progress
 from .settings import Device, ModelSettings
 from .state import PrefillRow, SavedState
 
@@ -145,14 +146,16 @@ class RemoteRuntime:
     def sync(self, tokens: Sequence[int]) -> None:
         session.sync(self, tokens)
 
-    def prefill(self, tokens: Sequence[int], n_reuse: int) -> int:
-        return session.prefill(self, tokens, n_reuse)
+    def prefill(self, tokens: Sequence[int], n_reuse: int, progress: Optional[Progress] = None) -> int:
+        return session.prefill(self, tokens, n_reuse, progress)
 
     def pin(self, row: np.ndarray) -> None:
         self._n_rows, self._pinned = 1, row
 
-    def decode(self, tokens: Sequence[int], *, n_logits: int = 1, aligned: bool = False) -> None:
-        """As Runtime.decode; the rows land in the shared file."""
+    def decode(self, tokens: Sequence[int], *, n_logits: int = 1, aligned: bool = False,
+               progress: Optional[Progress] = None) -> None:
+        """As Runtime.decode; the rows land in the shared file (progress is told once, at the end:
+        the host decodes every batch in one call)."""
         n_past = len(self.cached)
         if not tokens:
             raise ValueError("decode needs at least one token")
@@ -166,6 +169,8 @@ class RemoteRuntime:
             raise
         self._n_rows = n_logits
         self.cached.extend(tokens)
+        if progress is not None:
+            progress(len(self.cached))
 
     def _ensure_rows(self, n_rows: int) -> int:
         if self._rows is None or self._rows.shape[0] < n_rows:

@@ -4,10 +4,11 @@ cached prefix, and sync to a token sequence. Runtime and RemoteRuntime both call
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Optional
 
 import numpy as np
 
+from .protocols import Progress
 from .state import PrefillRow
 
 
@@ -20,7 +21,7 @@ def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     return int(diff[0])
 
 
-def prefill(model: Any, tokens: Sequence[int], n_reuse: int) -> int:
+def prefill(model: Any, tokens: Sequence[int], n_reuse: int, progress: Optional[Progress] = None) -> int:
     """Make the cache hold tokens, with logits for the last one, keeping its first n_reuse
     (which must be tokens[:n_reuse]) and computing the rest in aligned chunks.
 
@@ -28,7 +29,7 @@ def prefill(model: Any, tokens: Sequence[int], n_reuse: int) -> int:
     up to the last whole chunk: a later prompt that extends tokens reuses that bit for bit.
     n_reuse == len(tokens) takes the last row from prefill_row, which must be this prompt's.
     Returns the tokens reused: fewer than n_reuse where a recurrent memory could only go
-    back to an earlier checkpoint.
+    back to an earlier checkpoint. progress is told the cached count after each batch.
     """
     tokens = list(tokens)
     if not 0 <= n_reuse <= len(tokens) or model.cached[:n_reuse] != tokens[:n_reuse]:
@@ -38,11 +39,15 @@ def prefill(model: Any, tokens: Sequence[int], n_reuse: int) -> int:
             raise ValueError("the whole prompt can be reused only with the row its own prefill kept")
         model.truncate(n_reuse)
         model.pin(model.prefill_row.logits)
+        if progress is not None:
+            progress(n_reuse)
         return n_reuse
     model.discard(n_reuse)  # a recurrent memory may have to start from an earlier checkpoint
     n_reuse = len(model.cached)
+    if progress is not None:
+        progress(n_reuse)  # where the prefill starts: what it reuses
     canonical_start = n_reuse <= model.n_canonical and n_reuse % model.n_batch == 0
-    model.decode(tokens[n_reuse:], n_logits=1, aligned=True)
+    model.decode(tokens[n_reuse:], n_logits=1, aligned=True, progress=progress)
     if canonical_start:
         model.n_canonical = len(tokens) // model.n_batch * model.n_batch
     model.prefill_row = PrefillRow(len(tokens), model.logits(0).copy(), canonical_start)

@@ -43,6 +43,24 @@ class Disconnect:
         self.task.cancel()
 
 
+class ProgressEvents:
+    """A streamed request's prompt_progress (its return_progress, as llama-server's): the
+    stream's on_progress, passing each PromptProgress, shaped as the API's event, to the job.
+    The stream (and its options) is made before its job exists: events start once work(job)
+    has called start(job), which is before the prefill they report."""
+
+    def __init__(self, shape: Callable[[Any], Any]):
+        self._shape = shape
+        self._job: Optional["Job"] = None
+
+    def start(self, job: "Job") -> None:
+        self._job = job
+
+    def __call__(self, progress: Any) -> None:
+        if self._job is not None:
+            self._job.emit(self._shape(progress))
+
+
 async def acquire(lock: asyncio.Semaphore, disconnect: Disconnect) -> bool:
     """Wait for a slot in arrival order; False, without it, if the client leaves first."""
     waiting = asyncio.ensure_future(lock.acquire())

@@ -22,9 +22,10 @@ from pydantic import ConfigDict
 from ..completions import (IGNORED, NEUTRAL, Completion, chat_logprobs, check_supported, generate_options,
                            shaping_options, timings, tool_setup)
 from ..errors import InvalidParameterError
+from ..streams import PromptProgress
 from .app import Server
 from .errors import ApiError, from_library
-from .jobs import Job
+from .jobs import Job, ProgressEvents
 from .limits import Body
 
 log = logging.getLogger("specllama")
@@ -48,6 +49,7 @@ class _Body(Body):
     seed: Optional[int] = None
     stream: bool = False
     stream_options: Optional[dict] = None
+    return_progress: bool = False  # llama-server's: prompt_progress chunks while a stream's prompt is read
     n_draft: Union[None, int, str] = None
     speculative: bool = True
     # applied in verification (constraints.py): greedy output stays plain decoding's under them
@@ -124,10 +126,12 @@ class Plan:
     request waits for its turn; the others are built when their turn comes."""
 
     def __init__(self, server: Server, llm: Any, prompts: list[list[int]], chat: bool, options: dict,
-                 tool_format: Any, n: int, stream: bool, include_usage: bool):
+                 tool_format: Any, n: int, stream: bool, include_usage: bool, return_progress: bool = False):
         self.server, self.llm, self.prompts, self.chat = server, llm, prompts, chat
-        self.options, self.tool_format, self.n = options, tool_format, n
+        self.tool_format, self.n = tool_format, n
         self.stream, self.include_usage = stream, include_usage
+        self.progress = ProgressEvents(self._progress_chunk)
+        self.options = {**options, "on_progress": self.progress} if return_progress and stream else options
         self.greedy = options["temperature"] == 0
         self.id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4()}"
         self.created = int(time.time())
@@ -184,7 +188,7 @@ class Plan:
         if unknown:
             log.info("ignoring request fields %s", ", ".join(unknown))
         return cls(server, llm, prompts, chat, options, tool_format, n, body.stream,
-                   bool((body.stream_options or {}).get("include_usage")))
+                   bool((body.stream_options or {}).get("include_usage")), body.return_progress)
 
     def _completion(self, j: int, i: int) -> Completion:
         options = self.options
@@ -204,6 +208,7 @@ class Plan:
 
     def work(self, job: Job) -> Optional[dict]:
         """Runs in the job's thread: every choice in turn; the response (None for a stream)."""
+        self.progress.start(job)
         responses = []
         for j, completion, indices in self._runs():
             if job.cancelled:
@@ -234,6 +239,12 @@ class Plan:
             delta["content"] = ""  # OpenAI's first delta: clients read delta["content"] raw
         if chunk["choices"][0]["finish_reason"] is not None and completion.stats is not None:
             chunk["timings"] = timings(completion.stats)  # on each choice's last chunk, as llama-server
+
+    def _progress_chunk(self, progress: PromptProgress) -> dict:
+        """llama-server's prompt_progress chunk: no text yet, the prefill's counts."""
+        empty = {"delta": {"role": "assistant", "content": ""}} if self.chat else {"text": "", "logprobs": None}
+        return {**self.envelope(chunk=True), "choices": [{"index": 0, **empty, "finish_reason": None}],
+                "prompt_progress": progress.as_dict()}
 
     def envelope(self, chunk: bool = False) -> dict:
         kind = ("chat.completion.chunk" if chunk else "chat.completion") if self.chat else "text_completion"

@@ -26,7 +26,7 @@ from ..messages import content_text
 from .anthropic_messages import deltas
 from .app import Server
 from .errors import ApiError, from_library
-from .jobs import Job
+from .jobs import Job, ProgressEvents
 from .limits import Body
 
 log = logging.getLogger("specllama")
@@ -54,6 +54,8 @@ class ResponsesBody(Body):
     include: Optional[list[str]] = None
     prompt_cache_key: Optional[str] = None
     metadata: Optional[dict] = None
+    return_progress: bool = False  # llama-server's: response.in_progress events with prompt_progress
+
 
 
 def add_routes(app: FastAPI, server: Server) -> None:
@@ -141,6 +143,9 @@ class Reply:
         self.id = f"resp_{uuid.uuid4().hex}"
         self.created = int(time.time())
         self._n_event = 0
+        self.progress = ProgressEvents(lambda p: self._event("response.in_progress",
+                                                             response=self.response([], "in_progress"),
+                                                             prompt_progress=p.as_dict()))
 
     @classmethod
     def of(cls, server: Server, llm: Any, body: ResponsesBody, scope: str = "") -> "Reply":
@@ -159,16 +164,20 @@ class Reply:
                 return cls(server, body, None)  # a probe with no input: an empty response
             tokens, tool_format, grammar = tool_setup(llm, messages, tools, choice, body.parallel_tool_calls, None)
             shaping = shaping_options(grammar=grammar, response_format=_format(body.text))
+            reply = cls(server, body, None)
             options = generate_options(body.max_output_tokens, len(tokens), llm.target.n_ctx,
                                        temperature=1.0 if body.temperature is None else body.temperature,
                                        top_p=1.0 if body.top_p is None else body.top_p, min_p=0.0, top_k=0,
                                        stop=None, seed=None, cache_scope=scope, **shaping)
-            completion = Completion(llm, tokens, chat=True, model=server.model_id, tool_format=tool_format, **options)
+            if body.return_progress and body.stream:
+                options["on_progress"] = reply.progress
+            reply.completion = Completion(llm, tokens, chat=True, model=server.model_id, tool_format=tool_format,
+                                          **options)
         except ApiError:
             raise
         except Exception as e:
             raise from_library(e, param="input") from None
-        return cls(server, body, completion)
+        return reply
 
     def response(self, output: list[dict], status: str) -> dict:
         b, c = self.body, self.completion
@@ -192,6 +201,7 @@ class Reply:
         return kind, {"type": kind, "sequence_number": self._n_event - 1, **fields}
 
     def work(self, job: Job) -> Optional[dict]:
+        self.progress.start(job)
         if self.completion is not None:
             job.track(self.completion.stream)
         try:
