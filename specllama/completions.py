@@ -136,13 +136,16 @@ class Completion:
         chat: shape the output as chat.completion(.chunk) instead of text_completion.
         model: the name in the "model" field.
         tool_format: parse tool calls from the output in this format (chat with tools).
+        origins: each streamed chunk's choice says who chose its tokens (Chunk.origins), for a
+            UI that colours them (the request's "color": true).
         generate: options for SpecLlama.stream (max_tokens, temperature, ..., n_draft).
     """
 
     def __init__(self, llm: Any, tokens: list[int], *, chat: bool, model: str,
                  tool_format: Optional[ToolFormat] = None, index: int = 0, id: Optional[str] = None,
-                 **generate: Any):
+                 origins: bool = False, **generate: Any):
         self.llm, self.tokens, self.chat, self.model = llm, tokens, chat, model
+        self.origins = origins
         self.tool_format = tool_format
         self.index = index  # the choice this is, of a request that asked for several
         self.id = id or f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4()}"
@@ -207,7 +210,10 @@ class Completion:
                 else:
                     text = chunk.text
                 if text or logprobs is not None:
-                    yield self._chunk({"delta": {"content": text}} if self.chat else {"text": text}, None, logprobs)
+                    body: dict[str, Any] = {"delta": {"content": text}} if self.chat else {"text": text}
+                    if self.origins and self.tool_format is None:
+                        body["origins"] = chunk.origins
+                    yield self._chunk(body, None, logprobs)
             if held:
                 assert self.tool_format is not None  # only a tool format holds text back
                 content, self.tool_calls = self.tool_format.parse(held)

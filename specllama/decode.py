@@ -28,7 +28,8 @@ from .verify import greedy_verify, speculative_verify, tree_greedy_verify, tree_
 
 @dataclass(frozen=True)
 class Step:
-    """Tokens accepted by one target pass; the first n_from_draft of them were drafted.
+    """Tokens accepted by one target pass; the first n_from_draft of them were proposed: the
+    first n_forced by a grammar, the rest by the round's source ("draft" or "lookup").
 
     logprobs (when asked for): per token, its log-probability under the target's raw row and
     that row's n most likely (token, log-probability) pairs.
@@ -37,6 +38,14 @@ class Step:
     tokens: list[int]
     n_from_draft: int
     logprobs: Optional[list[tuple[float, list[tuple[int, float]]]]] = None
+    source: str = "none"
+    n_forced: int = 0
+
+    def origin(self, i: int) -> str:
+        """Who chose tokens[i]: "grammar", "draft", "lookup" (kept by the target), or "target"."""
+        if i >= self.n_from_draft:
+            return "target"
+        return "grammar" if i < self.n_forced else self.source
 
 
 @dataclass
@@ -115,7 +124,8 @@ def generate_steps(d: Decoding, prompt: Sequence[int]) -> Generator[Step, None, 
             _judge_near_ties(d, rows, first_gap, n_past, r, len(tokens) - len(prompt))
             first_gap = None
             new = [*(r.proposal.tokens[i] for i in path), next_token]
-            step = Step(new, len(path), _logprobs(target, new, d.n_logprobs, [0, *(i + 1 for i in path)]))
+            step = Step(new, len(path), _logprobs(target, new, d.n_logprobs, [0, *(i + 1 for i in path)]),
+                        r.source, r.n_forced)
             # 5. roll the target back to what was accepted
             target.truncate(n_past + 1 + len(path), path if r.proposal.tree is not None else None)
             tokens.extend(new)

@@ -317,7 +317,7 @@ class SpecLlama(LlamaApi, BatchApi):
               detokenizer: Detokenizer, matcher: StopMatcher) -> Generator[Chunk, None, str]:
         """Chunks of the accepted tokens until a stop, max_tokens or a cancel; the finish reason."""
         finish = "length"
-        for token, from_draft, logprob in accepted_tokens(steps):
+        for token, origin, logprob in accepted_tokens(steps):
             if outcome.cancel.is_set():
                 return "cancelled"
             if self.target.is_eog(token):
@@ -326,7 +326,7 @@ class SpecLlama(LlamaApi, BatchApi):
             tokens.append(token)
             text = matcher.feed(detokenizer.feed(self.target.piece(token)))
             texts.append(text)
-            yield Chunk(text, [token], [from_draft], None if logprob is None else [logprob])
+            yield Chunk(text, [token], [origin != "target"], None if logprob is None else [logprob], [origin])
             if matcher.stopped:
                 finish = "stop"
                 break

@@ -70,9 +70,9 @@ def in_turns(steps: Iterator[Any], turn: Any) -> Iterator[Any]:
         yield step
 
 
-def accepted_tokens(steps: Iterator[Any]) -> Iterator[tuple[int, bool, Any]]:
-    """(token, came from the draft, its logprobs or None) for every token the rounds accept."""
+def accepted_tokens(steps: Iterator[Any]) -> Iterator[tuple[int, str, Any]]:
+    """(token, who chose it (Step.origin), its logprobs or None) for every token the rounds accept."""
     for step in steps:
         for i, token in enumerate(step.tokens):
-            yield token, i < step.n_from_draft, None if step.logprobs is None else step.logprobs[i]
+            yield token, step.origin(i), None if step.logprobs is None else step.logprobs[i]
 

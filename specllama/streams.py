@@ -20,6 +20,9 @@ class Chunk:
     from_draft: list[bool]
     # with logprobs asked for: per token, (its logprob, [(token, logprob), ...] top alternatives)
     logprobs: Optional[list[tuple[float, list[tuple[int, float]]]]] = None
+    # per token, who chose it: "draft" or "lookup" (proposed, and the target agreed), "grammar"
+    # (the only token a grammar allowed) or "target" (the target's own token of a round)
+    origins: list[str] = field(default_factory=list)
 
 
 @dataclass(frozen=True)

@@ -80,3 +80,20 @@ def test_json_object_response_format_gives_a_json_object(oai):
         model=SERVER_MODEL, max_tokens=64, response_format={"type": "json_object"}, **GREEDY,
         messages=[{"role": "user", "content": "Describe a cat as JSON with its name and age."}])
     assert isinstance(json.loads(reply.choices[0].message.content), dict)
+
+
+def test_color_true_says_who_chose_each_streamed_token(oai):
+    """For a UI that colours the answer as `run --color` does: each chunk's choice carries its
+    tokens' origins, as many as the completion's tokens; without color, none."""
+    origins, n_tokens = [], None
+    for chunk in oai.chat.completions.create(model=SERVER_MODEL, messages=COUNT, max_tokens=30, stream=True,
+                                             stream_options={"include_usage": True},
+                                             extra_body={"color": True, "n_draft": 3, **GREEDY}):
+        if chunk.usage is not None:
+            n_tokens = chunk.usage.completion_tokens
+        if chunk.choices and chunk.choices[0].delta.content:
+            origins += (chunk.choices[0].model_extra or {})["origins"]
+    assert len(origins) == n_tokens and set(origins) <= {"draft", "lookup", "target"}, origins
+    assert "draft" in origins and "target" in origins, origins  # counting is what the draft gets right
+    plain = oai.chat.completions.create(model=SERVER_MODEL, messages=COUNT, max_tokens=8, stream=True, **GREEDY)
+    assert not any(c.choices and "origins" in (c.choices[0].model_extra or {}) for c in plain)

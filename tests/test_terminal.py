@@ -284,3 +284,46 @@ def test_the_prefill_bar_is_drawn_only_for_a_long_prefill_and_says_how_far_it_is
     assert "about" not in lines[-1] and "3 min 14 s left" in lines[-1]
     bar.close()
     assert cleared == ["clear"]  # cleared once, and only once drawn
+
+
+def colored_run(args: list[str]) -> tuple[list[tuple[str, str]], str]:
+    """`specllama run --color` in a pseudo-terminal: the answer's characters with their colours
+    as the terminal shows them (pyte), and the legend line."""
+    child = pexpect.spawn(sys.executable, ["-m", "specllama", "run", *args, "--color"], encoding="utf-8",
+                          timeout=300, dimensions=(200, 200))
+    child.logfile_read = io.StringIO()
+    try:
+        child.expect(pexpect.EOF)
+    finally:
+        child.close(force=True)
+    assert child.exitstatus == 0, child.before
+    screen = pyte.Screen(200, 200)
+    screen.set_mode(pyte.modes.LNM)
+    pyte.Stream(screen).feed(child.logfile_read.getvalue())
+    rows = [screen.buffer[y] for y in range(200)]
+    first_stats = next(y for y in range(200) if screen.display[y].startswith("["))
+    start = max((y + 1 for y in range(first_stats) if screen.display[y].startswith("specllama: ")), default=0)
+    cells = [(row[x].data, row[x].fg) for row in rows[start:first_stats] for x in range(200)]
+    legend = next(line for line in screen.display if line.startswith("colors: "))
+    return cells, legend
+
+
+def test_run_color_shows_who_chose_each_token(model_paths, pair):
+    """Green where the draft model's tokens were kept, cyan where prompt lookup's were, plain for
+    the target's own; the text itself is the answer, unchanged."""
+    expected = pair.chat([{"role": "user", "content": PROMPT}], max_tokens=60).text
+    cells, legend = colored_run([*model_args(model_paths), PROMPT, "--max-tokens", "60", "--n-draft", "3"])
+    text = "".join(ch for ch, _ in cells).replace(" ", "")
+    assert text == expected.replace(" ", "").replace("\n", ""), (text, expected)
+    counts = {name: int(n) for n, name in re.findall(r"(\d+) (tokens drafted|copied|the target)", legend)}
+    assert counts["tokens drafted"] > 0 and counts["copied"] == 0 and sum(counts.values()) == 60, legend
+    colors = {fg for ch, fg in cells if ch.strip()}
+    assert colors == {"green", "default"}, colors
+    # prompt lookup alone: cyan where the copied tokens were kept
+    echo = "Repeat this line exactly: alpha beta gamma delta epsilon zeta eta theta iota kappa"
+    cells, legend = colored_run([str(model_paths["target"]), "--draft", "ngram", "--ctx", str(SETTINGS["n_ctx"]),
+                                 "--threads", str(SETTINGS["n_threads"]), echo, "--max-tokens", "24",
+                                 "--n-draft", "3"])
+    counts = {name: int(n) for n, name in re.findall(r"(\d+) (tokens drafted|copied|the target)", legend)}
+    assert counts["copied"] > 0 and counts["tokens drafted"] == 0, legend
+    assert {fg for ch, fg in cells if ch.strip()} == {"cyan", "default"}

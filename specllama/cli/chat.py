@@ -12,14 +12,15 @@ from collections.abc import Callable
 from typing import Any, Optional, TextIO
 
 from ..errors import PromptTooLongError, SpecLlamaError
-from .screen import PrefillBar
+from .screen import RESET, PrefillBar, Screen, style_of
 
 HELP = ("/reset forgets the conversation, /stats shows the last answer's figures, /help this line, /bye or "
         "Ctrl-D leaves; Ctrl-C stops an answer")
 
 
 def chat_loop(llm: Any, options: dict, *, system: Optional[str] = None, show_stats: bool = False,
-              read: Callable[[str], str] = input, out: TextIO = sys.stdout, err: TextIO = sys.stderr) -> None:
+              read: Callable[[str], str] = input, out: TextIO = sys.stdout, err: TextIO = sys.stderr,
+              color: bool = False) -> None:
     """Read a line, stream the answer, repeat until end of input or /bye.
 
     Args:
@@ -28,9 +29,9 @@ def chat_loop(llm: Any, options: dict, *, system: Optional[str] = None, show_sta
             max_tokens an answer may fill the rest of the context.
         system: a system message that starts the history (and stays after /reset).
         show_stats: print the figures of each answer after it.
+        color: write the answers in colours saying who chose each token (screen.STYLES).
         read, out, err: the prompt reader and the output streams.
     """
-    from .screen import Screen
 
     screen = Screen(out, err, live=False)  # log lines wait for a line of their own between turns
     start = [{"role": "system", "content": system}] if system else []
@@ -67,7 +68,7 @@ def chat_loop(llm: Any, options: dict, *, system: Optional[str] = None, show_sta
             out.write(f"unknown command {text}; {HELP}\n")
             continue
         history.append({"role": "user", "content": text})
-        answer, stats = _answer(llm, history, options, out, err)
+        answer, stats = _answer(llm, history, options, out, err, color)
         if answer is None:
             history.pop()
             continue
@@ -77,7 +78,8 @@ def chat_loop(llm: Any, options: dict, *, system: Optional[str] = None, show_sta
             err.write(stats.summary() + "\n")
 
 
-def _answer(llm: Any, history: list[dict], options: dict, out: TextIO, err: TextIO) -> tuple[Optional[str], Any]:
+def _answer(llm: Any, history: list[dict], options: dict, out: TextIO, err: TextIO,
+            color: bool = False) -> tuple[Optional[str], Any]:
     """Stream one answer; (its text, its stats), or (None, None) when it could not start."""
     bar = PrefillBar(lambda line: _draw(err, line), lambda: _draw(err, ""))
     try:
@@ -95,7 +97,8 @@ def _answer(llm: Any, history: list[dict], options: dict, out: TextIO, err: Text
     try:
         for chunk in stream:
             bar.close()
-            out.write(chunk.text)
+            style = style_of(chunk.origins) if color and chunk.text else ""
+            out.write(f"{style}{chunk.text}{RESET}" if style else chunk.text)
             out.flush()
             pieces.append(chunk.text)
     except KeyboardInterrupt:

@@ -269,3 +269,11 @@ def build_generation(values: dict) -> GenerateOptions:
     except InvalidParameterError as e:  # named as the command line spells it
         flag = next((o.names[0] for o in GENERATION_OPTIONS if o.dest == e.name), e.name)
         raise click.BadParameter(f"{e.value!r}: it must be {e.allowed}", param_hint=flag) from None
+
+
+def color_option(f: Callable) -> Callable:
+    """--color: the answer in colours saying who chose each token (a terminal only)."""
+    return click.option("--color", "--colour", "color", is_flag=True,
+                        help="Colour the answer by who chose each token: green, drafted by the draft model and "
+                             "kept by the target; cyan, copied by prompt lookup and kept; plain, the target's "
+                             "own. Off when stdout is not a terminal.")(f)

@@ -11,8 +11,8 @@ import click
 
 from ..options import GenerateOptions
 from .app import main
-from .screen import PrefillBar, Screen, install_notes
-from .options import ModelChoice, generation_options, model_options
+from .screen import ColorLegend, PrefillBar, Screen, install_notes, style_of
+from .options import ModelChoice, color_option, generation_options, model_options
 
 
 @main.command()
@@ -27,8 +27,10 @@ from .options import ModelChoice, generation_options, model_options
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON result instead of streaming text.")
 @click.option("--compare", is_flag=True,
               help="Then decode the same prompt plainly (target alone) and show both speeds side by side.")
+@color_option
 def run(choice: ModelChoice, prompt: Optional[str], gen: GenerateOptions, prompt_option: Optional[str],
-        prompt_file: Optional[str], raw: bool, system: Optional[str], as_json: bool, compare: bool) -> None:
+        prompt_file: Optional[str], raw: bool, system: Optional[str], as_json: bool, compare: bool,
+        color: bool) -> None:
     """Generate from MODEL (a .gguf path, repo id or alias), streaming text to stdout.
 
     PROMPT comes from the argument, -p, -f or, if none, from stdin. Stats go to stderr.
@@ -48,17 +50,21 @@ def run(choice: ModelChoice, prompt: Optional[str], gen: GenerateOptions, prompt
             tokens = llm.tokenize(prompt)
         bar = PrefillBar(screen.status)
         stream = llm.stream(tokens, **{**gen.as_kwargs(), "on_progress": None if as_json else bar})
+        legend = ColorLegend(llm.draft.name if llm.draft is not None else "the draft") \
+            if color and sys.stdout.isatty() and not as_json else None
         if as_json:
             for _ in stream:
                 pass
         else:
-            _show(screen, llm, stream)
+            _show(screen, llm, stream, legend)
         result = stream.result
         why_not = why_not_speculating(llm, result.stats)
         if not as_json:
             click.echo()
             screen.notes()
             click.echo(f"[{models_label(llm)}] {result.stats.summary()}, finish: {result.finish_reason}", err=True)
+            if legend is not None:
+                click.echo(legend.line(), err=True)
             if why_not:
                 click.echo(f"speculation off: {why_not}", err=True)
         plain, speedups = None, []
@@ -82,13 +88,16 @@ def run(choice: ModelChoice, prompt: Optional[str], gen: GenerateOptions, prompt
             _print_comparison(result, plain, speedups)
 
 
-def _show(screen: Screen, llm: Any, stream: Any) -> None:
-    """Stream the answer with the live status line, which is gone from the screen afterwards."""
+def _show(screen: Screen, llm: Any, stream: Any, legend: Optional[ColorLegend]) -> None:
+    """Stream the answer with the live status line, which is gone from the screen afterwards;
+    with a legend, in colours that say who chose each token."""
     status = _StatusLine(llm)
     screen.begin()
     try:
         for chunk in stream:
-            screen.text(chunk.text)
+            if legend is not None:
+                legend.add(chunk.origins)
+            screen.text(chunk.text, style_of(chunk.origins) if legend is not None else "")
             line = status.update(stream, chunk)
             if line:
                 screen.status(line)
@@ -217,7 +226,8 @@ class _StatusLine:
 @click.option("--system", default=None, help="System message that starts the conversation.")
 @generation_options
 @click.option("--stats", "show_stats", is_flag=True, help="Print each answer's figures after it (stderr).")
-def chat_cmd(choice: ModelChoice, system: Optional[str], gen: GenerateOptions, show_stats: bool) -> None:
+@color_option
+def chat_cmd(choice: ModelChoice, system: Optional[str], gen: GenerateOptions, show_stats: bool, color: bool) -> None:
     """Chat with MODEL in the terminal; the history and its prompt cache are kept between turns."""
     from .chat import chat_loop
 
@@ -233,7 +243,7 @@ def chat_cmd(choice: ModelChoice, system: Optional[str], gen: GenerateOptions, s
         if llm.target.chat_template() is None:
             raise click.ClickException(f"{llm.target.name} has no chat template in its GGUF; "
                                        "use `specllama run --raw` with a plain prompt")
-        chat_loop(llm, options, system=system, show_stats=show_stats)
+        chat_loop(llm, options, system=system, show_stats=show_stats, color=color and sys.stdout.isatty())
 
 
 def _given(name: str) -> bool:

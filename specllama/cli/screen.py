@@ -104,9 +104,10 @@ class Screen:
         self.err.write(f"\n\033[A\0337\033[1;{self._rows - 1}r\0338")
         self.err.flush()
 
-    def text(self, text: str) -> None:
+    def text(self, text: str, style: str = "") -> None:
+        """Answer text; style: an SGR sequence (STYLES) it is written in, reset after it."""
         if text:
-            self.out.write(text)
+            self.out.write(f"{style}{text}{RESET}" if style else text)
             self.out.flush()
             self._column = advance(self._column, text, self._size().columns)
 
@@ -148,6 +149,35 @@ def advance(column: int, text: str, width: int) -> int:
             n = 2 if unicodedata.east_asian_width(ch) in "WF" else 1
             column = n if column + n > width else column + n
     return column
+
+
+# --color: tokens the draft model proposed and the target kept, tokens prompt lookup copied
+# and the target kept; the target's own (and a grammar's only choice) stay plain
+STYLES = {"draft": "\033[32m", "lookup": "\033[36m"}  # green, cyan
+RESET = "\033[0m"
+
+
+def style_of(origins: list[str]) -> str:
+    """The style of a chunk's text: its tokens' (Chunk.origins), where they agree; else plain."""
+    return STYLES.get(origins[0], "") if origins and origins.count(origins[0]) == len(origins) else ""
+
+
+class ColorLegend:
+    """What the colours meant, counted over an answer's chunks."""
+
+    def __init__(self, draft_name: str) -> None:
+        self.draft_name = draft_name
+        self.counts = {"draft": 0, "lookup": 0, "target": 0}
+
+    def add(self, origins: list[str]) -> None:
+        for origin in origins:
+            self.counts[origin if origin in self.counts else "target"] += 1
+
+    def line(self) -> str:
+        c = self.counts
+        return (f"colors: {STYLES['draft']}green{RESET} {c['draft']} tokens drafted by {self.draft_name} and kept, "
+                f"{STYLES['lookup']}cyan{RESET} {c['lookup']} copied by prompt lookup and kept, "
+                f"plain {c['target']} the target's own")
 
 
 class PrefillBar:

@@ -50,6 +50,7 @@ class _Body(Body):
     stream: bool = False
     stream_options: Optional[dict] = None
     return_progress: bool = False  # llama-server's: prompt_progress chunks while a stream's prompt is read
+    color: bool = False  # each streamed choice's "origins": who chose its tokens (draft, lookup, target)
     n_draft: Union[None, int, str] = None
     speculative: bool = True
     # applied in verification (constraints.py): greedy output stays plain decoding's under them
@@ -126,10 +127,11 @@ class Plan:
     request waits for its turn; the others are built when their turn comes."""
 
     def __init__(self, server: Server, llm: Any, prompts: list[list[int]], chat: bool, options: dict,
-                 tool_format: Any, n: int, stream: bool, include_usage: bool, return_progress: bool = False):
+                 tool_format: Any, n: int, stream: bool, include_usage: bool, return_progress: bool = False,
+                 color: bool = False):
         self.server, self.llm, self.prompts, self.chat = server, llm, prompts, chat
         self.tool_format, self.n = tool_format, n
-        self.stream, self.include_usage = stream, include_usage
+        self.stream, self.include_usage, self.color = stream, include_usage, color
         self.progress = ProgressEvents(self._progress_chunk)
         self.options = {**options, "on_progress": self.progress} if return_progress and stream else options
         self.greedy = options["temperature"] == 0
@@ -188,14 +190,15 @@ class Plan:
         if unknown:
             log.info("ignoring request fields %s", ", ".join(unknown))
         return cls(server, llm, prompts, chat, options, tool_format, n, body.stream,
-                   bool((body.stream_options or {}).get("include_usage")), body.return_progress)
+                   bool((body.stream_options or {}).get("include_usage")), body.return_progress, body.color)
 
     def _completion(self, j: int, i: int) -> Completion:
         options = self.options
         if not self.greedy and i and options.get("seed") is not None:
             options = {**options, "seed": options["seed"] + i}
         completion = Completion(self.llm, self.prompts[j], chat=self.chat, model=self.server.model_id,
-                                tool_format=self.tool_format, index=j * self.n + i, id=self.id, **options)
+                                tool_format=self.tool_format, index=j * self.n + i, id=self.id,
+                                origins=self.color and self.stream, **options)
         completion.created = self.created
         return completion
 
