@@ -94,13 +94,14 @@ def test_chat_and_completions_streams_send_prompt_progress_before_the_text(oai):
 @pytest.mark.children
 def test_responses_stream_sends_prompt_progress_in_in_progress_events(oai):
     events, kinds = [], []
-    for event in oai.responses.create(model="m", input="Rivers now. " + LONG, stream=True, max_output_tokens=4, temperature=0,
-                                      extra_body={"return_progress": True}):
+    for event in oai.responses.create(model="m", input="Rivers now. " + LONG, stream=True, max_output_tokens=4,
+                                      temperature=0, extra_body={"return_progress": True}):
         kinds.append(event.type)
         if extra(event) is not None:
             assert event.type == "response.in_progress"
             events.append(extra(event))
     check_progress(events, 512)
     assert events[0]["cache"] < 512 and len(events) >= 3, events  # a prompt new to the server
-    assert kinds[:2] == ["response.created", "response.in_progress"] and kinds[-1] == "response.incomplete"  # at max_output_tokens
+    assert kinds[:2] == ["response.created", "response.in_progress"]
+    assert kinds[-1] == "response.incomplete"  # at max_output_tokens
     assert kinds.index("response.output_item.added") > 1 + len(events)  # every one before the output

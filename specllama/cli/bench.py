@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import statistics
 import sys
+from pathlib import Path
 from typing import Any, Optional
 
 import click
@@ -12,7 +13,7 @@ import click
 from ..batch import time_requests
 from ..cores import SPARE_CORES, OtherProcesses
 from .app import main
-from .options import ModelChoice, model_options
+from .options import ModelChoice, model_options, plot_option
 from .run import first_use
 
 
@@ -30,15 +31,17 @@ from .run import first_use
 @click.option("--batch-requests/--no-batch-requests", default=None,
               help="With --parallel: rows of a round in one pass, or not (default: as serve decides).")
 @click.option("--json", "as_json", is_flag=True)
+@plot_option
 def bench_cmd(choice: ModelChoice, prompts_file: str, max_tokens: int, repeats: int, raw: bool, n_parallel: int,
-              batch_requests: Optional[bool], as_json: bool) -> None:
+              batch_requests: Optional[bool], as_json: bool, plot: Optional[Path]) -> None:
     """Run your own prompts plain vs speculative (auto and fixed lengths) and recommend settings.
 
     Each configuration runs --repeats times, the order rotating from one repeat to the next; a
     speedup is the median over repeats of its rate against plain decoding's in the same repeat,
     with the spread. "prompt" lines get the chat template as `run` does (--raw: not). With
     --parallel N, N requests then run at once and one after another, alternating: the aggregate
-    tokens per second and each request's wait for its first token."""
+    tokens per second and each request's wait for its first token. --plot FILE.png draws the
+    costs, the acceptance by draft position and the speed against draft length."""
     prompts = _read(prompts_file)
     with choice.open(n_parallel=n_parallel, batch_requests="auto" if batch_requests is None else batch_requests) as llm:
         first_use(llm)
@@ -51,6 +54,8 @@ def bench_cmd(choice: ModelChoice, prompts_file: str, max_tokens: int, repeats: 
         rates: dict[Any, list[float]] = {c: [] for c in configs}
         ties = {c: 0 for c in configs}
         capped: dict[Any, int] = {}
+        drafted_at: list[int] = []
+        accepted_at: list[int] = []
         with click.progressbar(length=repeats * len(inputs) * len(configs), label="benchmarking",
                                file=sys.stderr) as bar:
             for repeat in range(repeats):
@@ -64,6 +69,8 @@ def bench_cmd(choice: ModelChoice, prompts_file: str, max_tokens: int, repeats: 
                         ties[config] += r.stats.near_ties or 0
                         if isinstance(config, int) and config and r.stats.n_draft_max < config:
                             capped[config] = r.stats.n_draft_max
+                        _add_counts(drafted_at, r.stats.drafted_at)
+                        _add_counts(accepted_at, r.stats.accepted_at)
                         bar.update(1)
                 for config in configs:
                     rates[config].append(n[config] / t[config] if t[config] else 0.0)
@@ -72,7 +79,30 @@ def bench_cmd(choice: ModelChoice, prompts_file: str, max_tokens: int, repeats: 
         used = others.cores()  # one reading: the figure and its excess agree
         machine = {"other_processes_cores": used, "n_cores": others.n_cores,
                    "n_threads": llm.target.n_threads, "excess": others.excess(llm.target.n_threads, used)}
+        costs, name = llm.costs(), llm.target.name
     _report(choice, configs, rates, ties, capped, as_json, at_once, machine)
+    if plot is not None:
+        _plot(plot, name, costs, rates, drafted_at, accepted_at)
+
+
+def _add_counts(total: list[int], counts: list[int]) -> None:
+    total.extend([0] * (len(counts) - len(total)))
+    for i, n in enumerate(counts):
+        total[i] += n
+
+
+def _plot(path: Path, name: str, costs: Any, rates: dict[Any, list[float]], drafted_at: list[int],
+          accepted_at: list[int]) -> None:
+    from ..plots import acceptance_by_position, draw
+
+    if costs is None:
+        click.echo(f"--plot: nothing drawn: no decode costs were measured (no draft for {name})", err=True)
+        return
+    speedups = {c: statistics.median(r / p if p else 0.0 for r, p in zip(rates[c], rates[0]))
+                for c in rates if isinstance(c, int)}
+    draw(path, f"{name}: bench", costs, acceptance_by_position(drafted_at, accepted_at),
+         speedups, k_max=max(speedups))
+    click.echo(f"drawn: {path}", err=True)
 
 
 def _at_once(llm: Any, inputs: list[list[int]], max_tokens: int, repeats: int) -> dict[str, Any]:

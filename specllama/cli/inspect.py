@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from typing import Optional
+from pathlib import Path
+from typing import Any, Optional
 
 import click
 
 from .app import main
-from .options import ModelChoice, model_options
+from .options import ModelChoice, model_options, plot_option
 
 
 @main.command("draft")
@@ -173,14 +174,17 @@ def calibrate_cmd(choice: ModelChoice, kv_groups: int, fresh: bool, as_json: boo
 @main.command("doctor")
 @model_options(required=False)
 @click.option("--json", "as_json", is_flag=True)
-def doctor_cmd(choice: Optional[ModelChoice], as_json: bool) -> None:
+@plot_option
+def doctor_cmd(choice: Optional[ModelChoice], as_json: bool, plot: Optional[Path]) -> None:
     """What this llama.cpp build can do here; with MODEL, its fidelity, costs and whether a draft
-    pays, loaded exactly as `run` loads it."""
+    pays, loaded exactly as `run` loads it (--plot FILE.png: the costs drawn)."""
     from ..doctor import model_report, print_report, system_report
     from ..draft_select import MTP
     from ..plan import make_plan
     from ..runtime import ModelSettings
 
+    if plot is not None and choice is None:
+        raise click.BadParameter("give a MODEL to draw its costs", param_hint="--plot")
     report = system_report()
     if choice is not None:
         target_path, draft_path = choice.resolve()
@@ -189,8 +193,22 @@ def doctor_cmd(choice: Optional[ModelChoice], as_json: bool) -> None:
                            draft_settings, gpu_offload=report["gpu_offload"])
         with choice.open() as llm:
             report["model"] = {**model_report(llm), "memory_plan": memory.describe(), "memory_fits": memory.fits}
+            if plot is not None:
+                _plot_costs(plot, llm)
     if as_json:
         click.echo(json.dumps(report, indent=1))
         return
     for line in print_report(report):
         click.echo(line)
+
+
+def _plot_costs(path: Path, llm: Any) -> None:
+    """The measured costs, and the speed they allow against draft length were every draft kept."""
+    from ..plots import draw
+
+    costs = llm.costs()
+    if costs is None or llm.draft is None:
+        click.echo(f"--plot: nothing drawn: {llm.target.name} has no draft, so no draft costs", err=True)
+        return
+    draw(path, f"{llm.target.name}, drafted by {llm.draft.name}: doctor", costs)
+    click.echo(f"drawn: {path}", err=True)

@@ -277,3 +277,22 @@ def color_option(f: Callable) -> Callable:
                         help="Colour the answer by who chose each token: green, drafted by the draft model and "
                              "kept by the target; cyan, copied by prompt lookup and kept; plain, the target's "
                              "own. Off when stdout is not a terminal.")(f)
+
+
+def plot_option(f: Callable) -> Callable:
+    """--plot FILE.png, checked (matplotlib there, a .png name) before anything loads."""
+    def check(ctx: click.Context, param: click.Parameter, value: Optional[str]) -> Optional[Path]:
+        if value is None:
+            return None
+        from ..plots import missing
+
+        problem = missing()
+        if problem is not None:
+            raise click.BadParameter(problem, ctx=ctx, param=param)
+        if not value.lower().endswith(".png"):
+            raise click.BadParameter(f"{value!r}: give a file name ending in .png", ctx=ctx, param=param)
+        return Path(value)
+
+    return click.option("--plot", type=click.Path(dir_okay=False, writable=True), default=None, callback=check,
+                        metavar="FILE.png", help="Draw the decode-cost curve, the acceptance by draft position and "
+                        "the speed against draft length to FILE.png (matplotlib: pip install -e '.[plot]').")(f)
