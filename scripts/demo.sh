@@ -19,7 +19,7 @@ else
     echo "demo: no GPU here. On a CPU the Q4_K_M target is compute-bound: checking several tokens in one pass" >&2
     echo "demo: costs several tokens' time, so its draft cannot pay (0.9-1.1x plain decoding on our 2-core VM)." >&2
     echo "demo: The demo runs an F16 copy of the same model, memory-bound as big models are on a GPU" >&2
-    echo "demo: (made once: 3.5 GB). On our 2-core VM this demo ran code 1.9x and the edit 1.9-2.2x plain decoding," >&2
+    echo "demo: (made once: 3.5 GB). On our 2-core VM this demo ran code 1.8-1.9x and the edit 1.6-2.1x plain decoding," >&2
     echo "demo: the same output token for token; your CPU will differ. DEMO_TARGET=target runs the Q4_K_M pair." >&2
   fi
   DEMO_TARGET=${DEMO_TARGET:-target-f16}
