@@ -13,12 +13,27 @@ import dataclasses
 import time
 import uuid
 from collections.abc import Iterator
-from typing import Any, Optional, Union
+from typing import Any, Optional, Protocol, Union
 
 from .constraints import Lark
 from .errors import InvalidParameterError
+from .options import Prompt
+from .runtime.protocols import Model
 from .stats import Stats
+from .streams import Stream
 from .tools import ToolFormat, check_tools, chosen_tools, detect
+
+
+
+class Generator(Protocol):
+    """What a completion needs of the object it runs on (engine.SpecLlama)."""
+
+    @property
+    def target(self) -> Model: ...
+
+    def stream(self, prompt: Prompt, **options: Any) -> Stream: ...
+
+    def chat_tokens(self, messages: list[dict], tools: Optional[list[dict]] = None) -> list[int]: ...
 
 # llama-cpp-python arguments specllama does not apply yet: the value that means "off", and why
 NEUTRAL = {"echo": (False, "echoing the prompt (with its logprobs) is not built yet"),
@@ -90,7 +105,7 @@ def chat_logprobs(logprobs: Any, top_logprobs: Any) -> Optional[int]:
     return 0 if top_logprobs is None else top_logprobs
 
 
-def tool_setup(llm: Any, messages: list[dict], tools: Any, tool_choice: Any, parallel_tool_calls: Any,
+def tool_setup(llm: Generator, messages: list[dict], tools: Any, tool_choice: Any, parallel_tool_calls: Any,
                grammar: Any) -> tuple[list[int], Optional[ToolFormat], Any]:
     """(prompt tokens, the format to parse calls from, the grammar to generate under) for a chat
     request with tools: rendered by the GGUF's own template; tool_choice "required" or a named
@@ -119,7 +134,7 @@ def tool_setup(llm: Any, messages: list[dict], tools: Any, tool_choice: Any, par
     return tokens, fmt, grammar
 
 
-def _special(llm: Any, text: str) -> Optional[int]:
+def _special(llm: Generator, text: str) -> Optional[int]:
     if not text:
         return None
     ids = llm.target.tokenize(text, add_special=False, parse_special=True)
@@ -141,7 +156,7 @@ class Completion:
         generate: options for SpecLlama.stream (max_tokens, temperature, ..., n_draft).
     """
 
-    def __init__(self, llm: Any, tokens: list[int], *, chat: bool, model: str,
+    def __init__(self, llm: Generator, tokens: list[int], *, chat: bool, model: str,
                  tool_format: Optional[ToolFormat] = None, index: int = 0, id: Optional[str] = None,
                  origins: bool = False, **generate: Any):
         self.llm, self.tokens, self.chat, self.model = llm, tokens, chat, model
@@ -171,8 +186,8 @@ class Completion:
     def finish_reason(self) -> str:
         if self.tool_calls:
             return "tool_calls"
-        reason = self.stream.result.finish_reason
-        return "stop" if reason == "stop" else "length"
+        result = self.stream.result
+        return "stop" if result is not None and result.finish_reason == "stop" else "length"
 
     def response(self) -> dict:
         """The whole completion (non-streaming)."""

@@ -153,7 +153,7 @@ class SpecLlama(LlamaApi, BatchApi):
 
         Options are checked now, so bad input raises here rather than mid-iteration.
         """
-        request = self._request(self._prompt_tokens(prompt), GenerateOptions.of(options))
+        request = self._request(self.prompt_tokens(prompt), GenerateOptions.of(options))
         outcome = Outcome()
         stream = Stream(self._run(request, outcome), outcome)
         self.pool.open(stream)
@@ -229,7 +229,9 @@ class SpecLlama(LlamaApi, BatchApi):
             if cache is not None:
                 cache.stash()
 
-    def _prompt_tokens(self, prompt: Prompt) -> list[int]:
+    def prompt_tokens(self, prompt: Prompt) -> list[int]:
+        """A prompt's token ids, checked as generate() checks them: text (its special tokens
+        parsed) or ids in the vocabulary, not empty, fitting the context; a typed error if not."""
         self._check_open()
         return prompt_tokens(prompt, self.tokenize, self.target.n_vocab, self.target.n_ctx)
 

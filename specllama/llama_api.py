@@ -12,14 +12,17 @@ from .fim import fim_prompt
 
 if TYPE_CHECKING:
     from .options import Prompt
+    from .streams import Stream
 
 
 class LlamaApi:
     """create_completion, __call__ and create_chat_completion, as llama_cpp.Llama has them."""
 
-    # what the SpecLlama it is part of provides
+    # what the SpecLlama it is part of provides (completions.Generator, and the prompt's check)
     target: Any
-    _prompt_tokens: "Callable[[Prompt], list[int]]"
+    prompt_tokens: "Callable[[Prompt], list[int]]"
+    stream: "Callable[..., Stream]"
+    chat_tokens: Callable[..., list[int]]
 
     def create_completion(self, prompt: "Prompt", max_tokens: Optional[int] = 16, temperature: float = 0.8,
                           top_p: float = 0.95, min_p: float = 0.05, stop: Union[None, str, list[str]] = None,
@@ -41,7 +44,7 @@ class LlamaApi:
             if not isinstance(prompt, str) or not isinstance(suffix, str):
                 raise InvalidParameterError("suffix", suffix, "text, with a text prompt (fill in the middle)")
             prompt = self.fim_tokens(prompt, suffix, n_predict=max_tokens or 128)
-        tokens = self._prompt_tokens(prompt)
+        tokens = self.prompt_tokens(prompt)
         shaping = shaping_options(grammar=grammar, logit_bias=logit_bias, repeat_penalty=repeat_penalty,
                                   frequency_penalty=frequency_penalty, presence_penalty=presence_penalty,
                                   logprobs=logprobs)

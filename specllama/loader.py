@@ -20,7 +20,7 @@ from .options import check_n_draft
 from .plan import MemoryPlan, check as check_plan, make_plan, plan_lanes
 from .runtime import ModelSettings
 from .runtime.ggml import supports_gpu_offload
-from .runtime.loading import open_runtime
+from .runtime.core import open_runtime
 from .runtime.remote import RemoteRuntime
 from .sharing import AUTO
 
@@ -179,3 +179,4 @@ def _rpc_host(settings: ModelSettings, opened: list) -> Optional[RemoteRuntime]:
 
 def _is_ref(model: Any) -> bool:
     return isinstance(model, (str, os.PathLike))
+

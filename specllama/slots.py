@@ -33,7 +33,7 @@ import psutil
 from .errors import BusyError, InvalidParameterError
 from .idle import PROCESS
 from .prompt_cache import MIN_SAVE, Budget, PromptCache
-from .runtime.core import SlotUnavailable
+from .runtime.protocols import SlotUnavailable
 from .runtime.protocols import Beside, Drafter, Model
 from .runtime.session import common_prefix
 
@@ -205,14 +205,14 @@ class Slots:
         free_for() once appended, so it is owned before: a request woken meanwhile took a slot
         made for another, and both decoded in it."""
         first = self.first
-        make = self.lane_of if self.lane_of is not None else lambda _: first.target.sibling()  # type: ignore[attr-defined]
+        make = self.lane_of if self.lane_of is not None else lambda _: first.target.sibling()
         target: Any = make(len(self.all))
         draft: Any = None
         try:
             if self.draft_lane_of is not None:
                 draft = self.draft_lane_of(len(self.all))
             elif first.draft is not None:
-                draft = first.draft.sibling()  # type: ignore[attr-defined]
+                draft = first.draft.sibling()
         except BaseException:
             if self.lane_of is None:
                 target.close()
@@ -239,14 +239,8 @@ class Slots:
 def why_single(target: Model, draft: Optional[Drafter]) -> str:
     """Why requests on these models decode one at a time ("" where slots can be made)."""
     for runtime in (target, draft):
-        if runtime is None:
-            continue
-        if getattr(runtime, "follows_target", False):
-            return "the target's MTP layers follow one target context"
-        if not hasattr(runtime, "sibling"):
-            return f"{runtime.name} is hosted by another process (RPC), which serves one context"
-        if getattr(runtime, "settings", None) is None:
-            return f"{runtime.name} is a llama_cpp.Llama the caller built, with one context"
+        if runtime is not None and runtime.why_no_sibling:
+            return runtime.why_no_sibling
     return ""
 
 

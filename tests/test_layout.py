@@ -1,6 +1,7 @@
 """The house stays one a newcomer can read: no module over 400 lines, no class over 300, no
-function over 60, and llama_cpp imported only inside specllama/runtime/. And every test can
-fail: each asserts something, itself or through a helper of the test modules."""
+function over 60, llama_cpp imported only inside specllama/runtime/, no modules importing each
+other in a loop, and no module reaching into another module's private names. And every test
+can fail: each asserts something, itself or through a helper of the test modules."""
 
 from __future__ import annotations
 
@@ -91,3 +92,96 @@ def test_every_test_asserts_something(tmp_path):
                       "def test_checked():\n    helper(1)\n\n\ndef test_runs_only():\n    run(1)\n")
     assert unasserted_tests([module]) == ["test_example.py:13 test_runs_only"]
 
+
+
+def module_name(path: Path) -> str:
+    parts = list(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def imports_of(path: Path, known: set[str]) -> set[str]:
+    """The package's modules path imports anywhere in it (in functions, and for type checking,
+    too: an import moved into a function hides a loop from the interpreter, not from a reader)."""
+    package = module_name(path) if path.name == "__init__.py" else module_name(path).rpartition(".")[0]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom):
+            base = package.rsplit(".", node.level - 1)[0] if node.level > 1 else package if node.level else ""
+            target = ".".join(p for p in (base, node.module or "") if p)
+            for alias in node.names:  # `from . import x`: the module x, where it is one
+                found.add(f"{target}.{alias.name}" if f"{target}.{alias.name}" in known else target)
+        elif isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+    return {name for name in found if name in known and name != module_name(path)}
+
+
+def import_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan's algorithm)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    cycles: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                cycles.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return cycles
+
+
+def test_no_modules_import_each_other_in_a_loop():
+    """A loop means neither module can be read, tested or moved without the other; the lazy
+    package faces (specllama/__init__.py, runtime/__init__.py import on first use) are not
+    edges, as they import nothing themselves."""
+    paths = modules()
+    known = {module_name(p) for p in paths}
+    graph = {module_name(p): imports_of(p, known) - {"specllama", "specllama.runtime"} for p in paths}
+    assert import_cycles(graph) == []
+    # the reader sees loops where there are some
+    assert import_cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert "specllama.runtime.loading" in graph["specllama.runtime.core"]
+
+
+def private_reaches(path: Path) -> list[str]:
+    """obj._name where obj is not self, cls or super() and no class of path's module defines
+    _name: a reach into another module's object (its owner may change it at will)."""
+    tree = ast.parse(path.read_text())
+    own = {node.attr for node in ast.walk(tree) if isinstance(node, ast.Attribute)
+           and isinstance(node.value, ast.Name) and node.value.id in ("self", "cls")}
+    own |= {node.name for node in ast.walk(tree) if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))}
+    own |= {t.id for node in ast.walk(tree) if isinstance(node, (ast.AnnAssign, ast.Assign))
+            for t in (node.targets if isinstance(node, ast.Assign) else [node.target]) if isinstance(t, ast.Name)}
+    reaches = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__") \
+                and not (isinstance(node.value, ast.Name) and node.value.id in ("self", "cls")) \
+                and not (isinstance(node.value, ast.Call) and ast.unparse(node.value.func) == "super") \
+                and node.attr not in own:
+            reaches.append(f"{path.name}:{node.lineno}: {ast.unparse(node)}")
+    return reaches
+
+
+def test_no_module_reaches_into_another_module_s_private_names(tmp_path):
+    assert [r for path in modules() for r in private_reaches(path)] == []
+    sample = tmp_path / "m.py"
+    sample.write_text("class A:\n    def __init__(self):\n        self._x = 1\n\n"
+                      "def f(a, b):\n    return a._x + b._y + super()._z\n")
+    assert [r.split(": ")[1] for r in private_reaches(sample)] == ["b._y"]

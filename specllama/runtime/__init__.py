@@ -36,11 +36,11 @@ _WHERE = {
     "PrefillRow": "state", "SavedState": "state",
     "chunk_bounds": "batches", "TreeBatch": "batches",
     "common_prefix": "session",
-    "Runtime": "core",
+    "Runtime": "core", "open_runtime": "core",
     "MtpHead": "mtp", "MtpUnavailable": "mtp",
     "RemoteRuntime": "remote",
     "Drafter": "protocols", "Model": "protocols", "Vocabulary": "protocols",
-    "open_runtime": "loading",
+    "load_runtime": "loading", "borrow_runtime": "loading", "SlotUnavailable": "protocols",
 }
 
 

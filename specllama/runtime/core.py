@@ -18,12 +18,13 @@ from typing import Any, Optional, Union
 import llama_cpp
 import numpy as np
 
-from ..errors import ContextFullError, DecodeError
+from ..errors import ContextFullError, DecodeError, InvalidParameterError
 from . import session
 from .batches import PIECE_SECONDS, Interrupted, chunk_bounds, piece_end
 from .decoder import check_status, llama_decode
 from .ggml import MemoryUse
 from .handles import Batch, Handle
+from .loading import borrow_runtime, load_runtime, sibling_runtime, why_no_sibling
 from .memory import memory_of
 from .protocols import Beside, Progress
 from .settings import ModelSettings
@@ -77,10 +78,6 @@ def _decode_batches(runtime: "Runtime", tokens: Sequence[int], n_past: int, n_lo
             if progress is not None:
                 progress(len(runtime.cached))
     return first
-
-
-class SlotUnavailable(Exception):
-    """No second context can be made on this runtime's model (why, in words)."""
 
 
 @dataclass
@@ -151,22 +148,26 @@ class Runtime(Vocab, TreeDecoding):
     def load(cls, path: Union[str, os.PathLike], settings: ModelSettings = ModelSettings(),
              mtp: bool = False, n_branches: int = 1) -> "Runtime":
         """loading.load_runtime: a GGUF file, validated in Python before llama.cpp sees it."""
-        from .loading import load_runtime
-
         return load_runtime(cls, path, settings, mtp, n_branches)
 
     @classmethod
     def borrow(cls, llama: "llama_cpp.Llama") -> "Runtime":
         """loading.borrow_runtime: drive a llama_cpp.Llama the caller owns (and frees)."""
-        from .loading import borrow_runtime
-
         return borrow_runtime(cls, llama)
 
     def sibling(self) -> "Runtime":
         """loading.sibling_runtime: a second context on this model, for a concurrent request."""
-        from .loading import sibling_runtime
-
         return sibling_runtime(self)
+
+    @property
+    def why_no_sibling(self) -> str:
+        return why_no_sibling(self)
+
+    @property
+    def handles(self) -> tuple[Handle, Handle]:
+        """(model, context): for what the runtime package builds on them (MTP layers, a second
+        context); nothing outside the package touches them."""
+        return self._model, self._ctx
 
     def close(self) -> None:
         """Free the context, then the model (a borrowed Llama's stay with their owner); any
@@ -285,16 +286,6 @@ class Runtime(Vocab, TreeDecoding):
         self._rows.clear()
         self._rows.n, self._rows.pinned = 1, row
 
-    def hidden_states(self, n_rows: int) -> np.ndarray:
-        """The hidden state of each token of the last decode call, (n_rows, n_embd): what MTP
-        layers predict from. Valid until the next decode."""
-        from .mtp import mtp_api
-
-        ptr = mtp_api().llama_get_embeddings_nextn(self._ctx.ptr)
-        if not ptr:
-            raise DecodeError(f"{self.name}: llama.cpp returned no hidden states for the MTP layers")
-        return np.ctypeslib.as_array(ptr, shape=(n_rows, self.n_embd))
-
     # --- rolling back -------------------------------------------------------------------------
 
     def truncate(self, n_keep: int, path: Optional[Sequence[int]] = None) -> None:
@@ -388,3 +379,12 @@ class Runtime(Vocab, TreeDecoding):
             self.cached, self.n_canonical, self.prefill_row = [], 0, None
             raise
         self.cached, self.n_canonical, self.prefill_row = list(saved.tokens), saved.n_canonical, saved.prefill_row
+
+
+def open_runtime(model: Any, settings: ModelSettings, mtp: bool = False, n_branches: int = 1) -> Runtime:
+    """A Runtime for a GGUF path or a borrowed llama_cpp.Llama."""
+    if isinstance(model, llama_cpp.Llama):
+        return Runtime.borrow(model)
+    if isinstance(model, (str, os.PathLike)):
+        return Runtime.load(model, settings, mtp=mtp, n_branches=n_branches)
+    raise InvalidParameterError("model", model, "a .gguf path or a llama_cpp.Llama")

@@ -14,6 +14,7 @@ from .ggml import LOG_SINK, MemoryUse, gpu_free, init_backend, resident_bytes, s
 from .handles import Handle, load_model, new_context
 from .measure_key import identity
 from .mtp import MtpHead, MtpUnavailable
+from .protocols import SlotUnavailable
 from .settings import ModelSettings
 
 
@@ -54,16 +55,14 @@ def sibling_runtime(runtime: Any) -> Any:
     beside another one. The weights are shared, not loaded again; only the context's KV cache
     and compute buffers are new. Close it before the runtime it came from (which frees the
     model). Raises SlotUnavailable where a second context cannot be made here."""
-    from .core import SlotUnavailable
-
-    if runtime.settings is None:
-        raise SlotUnavailable(f"{runtime.name} is a llama_cpp.Llama the caller built, whose context is its only one")
-    if runtime.mtp_head is not None:
-        raise SlotUnavailable(f"{runtime.name}'s MTP layers follow one target context")
+    why = why_no_sibling(runtime)
+    if why:
+        raise SlotUnavailable(why)
     stack = ExitStack()
     try:
         ram0, gpu_free0 = resident_bytes(), gpu_free()
-        model = Handle(runtime._model.ptr, None, runtime._model.what, None)  # the original frees it
+        original = runtime.handles[0]
+        model = Handle(original.ptr, None, original.what, None)  # the original frees it
         twin = _on_new_context(type(runtime), model, runtime.settings, stack, runtime.name, runtime.identity,
                                runtime.n_seq)
         twin.path = runtime.path
@@ -72,6 +71,15 @@ def sibling_runtime(runtime: Any) -> Any:
     except BaseException:
         stack.close()
         raise
+
+
+def why_no_sibling(runtime: Any) -> str:
+    """Why no second context can be made on runtime's model ("" where one can)."""
+    if runtime.settings is None:
+        return f"{runtime.name} is a llama_cpp.Llama the caller built, with one context"
+    if runtime.mtp_head is not None:
+        return "the target's MTP layers follow one target context"
+    return ""
 
 
 def _on_new_context(cls: Any, model: Handle, settings: ModelSettings, stack: ExitStack, name: str, key: str,
@@ -93,15 +101,3 @@ def borrow_runtime(cls: Any, llama: "llama_cpp.Llama") -> Any:
     model = Handle(llama.model, None, f"the model {path.name}", None)
     ctx = Handle(llama.ctx, None, f"the context of {path.name}", None)
     return cls(model, ctx, path.name, ExitStack(), key)
-
-
-def open_runtime(model: Any, settings: ModelSettings, mtp: bool = False, n_branches: int = 1) -> Any:
-    """A Runtime for a GGUF path or a borrowed llama_cpp.Llama."""
-    from ..errors import InvalidParameterError
-    from .core import Runtime
-
-    if isinstance(model, llama_cpp.Llama):
-        return Runtime.borrow(model)
-    if isinstance(model, (str, os.PathLike)):
-        return Runtime.load(model, settings, mtp=mtp, n_branches=n_branches)
-    raise InvalidParameterError("model", model, "a .gguf path or a llama_cpp.Llama")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import ctypes
 from collections.abc import Sequence
 from contextlib import ExitStack
-from typing import TYPE_CHECKING, Any, Optional
+from typing import Any, Optional, Protocol
 
 import llama_cpp
 import numpy as np
@@ -14,10 +14,22 @@ from ..errors import ContextFullError, DecodeError, InvalidParameterError
 from .decoder import check_status, llama_decode
 from .ggml import MemoryUse
 from .handles import Handle, new_context
+from .protocols import SlotUnavailable
 from .settings import ModelSettings
 
-if TYPE_CHECKING:
-    from .core import Runtime
+class MtpTarget(Protocol):
+    """What MTP layers read of the target they follow (a core.Runtime)."""
+
+    name: str
+    identity: str
+    n_ctx: int
+    n_vocab: int
+    n_embd: int
+    n_nextn: int
+    cached: list[int]
+
+    @property
+    def handles(self) -> tuple[Handle, Handle]: ...
 
 
 def mtp_api() -> Any:
@@ -48,7 +60,7 @@ class MtpHead:
     follows_target = True  # fed by its target's decodes, the prompt's included
     t_waited_total = 0.0  # a context of its own: it never waits for other lanes
 
-    def __init__(self, target: "Runtime", settings: ModelSettings, stack: ExitStack):
+    def __init__(self, target: MtpTarget, settings: ModelSettings, stack: ExitStack):
         api = mtp_api()
         if target.n_nextn <= 0:
             raise InvalidParameterError("draft", "mtp", f"a target whose GGUF has MTP (nextn) layers; {target.name} "
@@ -57,8 +69,9 @@ class MtpHead:
         self.identity = target.identity + "|mtp"
         self._api = api
         # the target's own weights and context: the head lives and dies with them
-        self._ctx: Handle = new_context(target._model, settings, stack, mtp=True, name=self.name)
-        api.llama_set_embeddings_nextn(target._ctx.ptr, True, False)  # h for every token the target decodes
+        target_model, self._target_ctx = target.handles
+        self._ctx: Handle = new_context(target_model, settings, stack, mtp=True, name=self.name)
+        api.llama_set_embeddings_nextn(self._target_ctx.ptr, True, False)  # h for every token the target decodes
         api.llama_set_embeddings_nextn(self._ctx.ptr, True, True)  # and for the head's output rows
         self.n_ctx, self.n_vocab, self.n_embd = target.n_ctx, target.n_vocab, target.n_embd
         self.n_batch = int(llama_cpp.llama_n_batch(self._ctx.ptr))
@@ -89,13 +102,21 @@ class MtpHead:
 
     def follow(self, target_tokens: Sequence[int], pos0: int) -> None:
         """The target just decoded target_tokens[pos0:]: enter them, each with the h before it."""
-        h = self.target.hidden_states(len(target_tokens) - pos0)
+        h = self._target_hidden_states(len(target_tokens) - pos0)
         self.truncate(pos0)
         for i in range(len(h)):
             self._h[pos0 + i] = h[i].copy()
         for p in [p for p in self._h if p < len(target_tokens) - self.RECENT]:
             del self._h[p]
         self._enter(target_tokens[self.n_cached:], logits=False)
+
+    def _target_hidden_states(self, n_rows: int) -> np.ndarray:
+        """The target's hidden state of each token of its last decode, (n_rows, n_embd): what
+        the layers predict from. Valid until the target's next decode."""
+        ptr = self._api.llama_get_embeddings_nextn(self._target_ctx.ptr)
+        if not ptr:
+            raise DecodeError(f"{self.target.name}: llama.cpp returned no hidden states for the MTP layers")
+        return np.ctypeslib.as_array(ptr, shape=(n_rows, self.n_embd))
 
     def _enter(self, tokens: Sequence[int], logits: bool, h_first: Optional[np.ndarray] = None) -> None:
         """Decode entries for tokens at n_cached.., each paired with the target's h before it."""
@@ -144,6 +165,13 @@ class MtpHead:
         if row != 0 or not self._n_rows:
             raise IndexError(f"{self.name}: logit row {row} was not requested by the last decode")
         return np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(self._ctx.ptr, -1), shape=(self.n_vocab,))
+
+    @property
+    def why_no_sibling(self) -> str:
+        return "the target's MTP layers follow one target context"
+
+    def sibling(self) -> "MtpHead":
+        raise SlotUnavailable(self.why_no_sibling)
 
     def close(self) -> None:
         """Freed with its target."""

@@ -15,6 +15,10 @@ from .settings import ModelSettings
 from .state import PrefillRow, SavedState
 
 
+class SlotUnavailable(Exception):
+    """No second context can be made on this model (why, in words): sibling() raises it."""
+
+
 Progress = Callable[[int], None]
 """Told, after each batch of a prefill, how many of the prompt's tokens the cache holds now."""
 
@@ -49,6 +53,11 @@ class Drafter(Protocol):
     def logits(self, row: int) -> np.ndarray: ...
 
     def truncate(self, n_keep: int) -> None: ...
+
+    @property
+    def why_no_sibling(self) -> str: ...  # why sibling() cannot make a second context here ("" where it can)
+
+    def sibling(self) -> "Drafter": ...  # another context on the same weights, for a request beside this one
 
     def close(self) -> None: ...
 
@@ -171,5 +180,10 @@ class Model(Vocabulary, Protocol):
     def save_state(self) -> SavedState: ...
 
     def restore_state(self, saved: SavedState) -> None: ...
+
+    @property
+    def why_no_sibling(self) -> str: ...  # why sibling() cannot make a second context here ("" where it can)
+
+    def sibling(self) -> "Model": ...  # another context on the same weights: SlotUnavailable where it cannot
 
     def close(self) -> None: ...

@@ -27,7 +27,7 @@ from ..tree import Tree
 from . import session
 from .ggml import MemoryUse
 from .host_link import Host
-from .protocols import Progress
+from .protocols import Progress, SlotUnavailable
 from .settings import Device, ModelSettings
 from .state import PrefillRow, SavedState
 
@@ -113,6 +113,13 @@ class RemoteRuntime:
         if self._rows_path is not None:
             Path(self._rows_path).unlink(missing_ok=True)
             self._rows_path = None
+
+    @property
+    def why_no_sibling(self) -> str:
+        return f"{self.name} is hosted by another process (RPC), which serves one context"
+
+    def sibling(self) -> "RemoteRuntime":
+        raise SlotUnavailable(self.why_no_sibling)
 
     def close(self) -> None:
         self._host.close()

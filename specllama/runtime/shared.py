@@ -146,7 +146,8 @@ class SharedContext:
         settings = first.settings
         self.name, self.n_lanes, self.n_branches = first.name, n_lanes, first.n_branches
         self._stack = ExitStack()
-        self._model = Handle(first._model.ptr, None, first._model.what, None)  # the first runtime frees it
+        model = first.handles[0]
+        self._model = Handle(model.ptr, None, model.what, None)  # the first runtime frees it
         self._first = first
         try:
             self._ctx = new_context(self._model, replace(settings, n_ctx=settings.n_ctx * n_lanes), self._stack,

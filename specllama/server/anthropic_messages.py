@@ -12,7 +12,7 @@ import json
 import logging
 import uuid
 from collections.abc import AsyncIterator, Iterator
-from typing import Any, Optional, Union
+from typing import TYPE_CHECKING, Any, Optional, Union
 
 from fastapi import FastAPI, Request
 from pydantic import ConfigDict
@@ -21,10 +21,13 @@ from sse_starlette.sse import ServerSentEvent
 from ..completions import Completion, generate_options, shaping_options, tool_setup
 from ..errors import InvalidParameterError, PromptTooLongError
 from ..messages import content_text
-from .app import Server
+from .core import Server
 from .errors import ApiError, from_library
 from .jobs import Job
 from .limits import Body
+
+if TYPE_CHECKING:
+    from ..engine import SpecLlama
 
 log = logging.getLogger("specllama")
 
@@ -199,7 +202,7 @@ class Turn:
         self.id = f"msg_{uuid.uuid4().hex[:24]}"
 
     @classmethod
-    def of(cls, server: Server, llm: Any, body: MessagesBody, scope: str = "") -> "Turn":
+    def of(cls, server: Server, llm: "SpecLlama", body: MessagesBody, scope: str = "") -> "Turn":
         """The request's turn (in a worker thread); scope: its prompt-cache scope."""
         server.limits.check(stop=body.stop_sequences, stop_param="stop_sequences", messages=body.messages,
                             tools=body.tools)

@@ -6,16 +6,19 @@ from __future__ import annotations
 
 import json
 from collections.abc import AsyncIterator
-from typing import Any, Optional, Union
+from typing import TYPE_CHECKING, Any, Optional, Union
 
 from fastapi import FastAPI, Request
 from pydantic import ConfigDict
 
 from ..completions import Completion, generate_options, timings
-from .app import Server
+from .core import Server
 from .errors import ApiError, from_library
 from .jobs import Job
 from .limits import Body
+
+if TYPE_CHECKING:
+    from ..engine import SpecLlama
 
 PATHS = ("/tokenize", "/detokenize", "/infill")
 
@@ -87,13 +90,13 @@ def _piece(data: bytes) -> Union[str, list[int]]:
         return list(data)
 
 
-def _infill(server: Server, llm: Any, body: InfillBody, scope: str) -> Completion:
+def _infill(server: Server, llm: "SpecLlama", body: InfillBody, scope: str) -> Completion:
     """The request's completion (in a worker thread); scope: its prompt-cache scope."""
     server.limits.check(stop=body.stop, input_extra=body.input_extra)
     target = llm.target
     n_predict = body.n_predict if body.n_predict is not None else body.max_tokens
     try:
-        tokens = llm._prompt_tokens(llm.fim_tokens(body.input_prefix, body.input_suffix, prompt=body.prompt,
+        tokens = llm.prompt_tokens(llm.fim_tokens(body.input_prefix, body.input_suffix, prompt=body.prompt,
                                                    extra=body.input_extra, n_predict=n_predict or 128))
         options = generate_options(n_predict if n_predict is None or n_predict > 0 else None, len(tokens),
                                    target.n_ctx, temperature=body.temperature, top_p=body.top_p, min_p=body.min_p,

@@ -14,7 +14,7 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Iterator
-from typing import Any, Optional, Union
+from typing import TYPE_CHECKING, Any, Optional, Union
 
 from fastapi import FastAPI, Request
 from pydantic import ConfigDict
@@ -23,10 +23,13 @@ from ..completions import (IGNORED, NEUTRAL, Completion, chat_logprobs, check_su
                            shaping_options, timings, tool_setup)
 from ..errors import InvalidParameterError
 from ..streams import PromptProgress
-from .app import Server
+from .core import Server
 from .errors import ApiError, from_library
 from .jobs import Job, ProgressEvents
 from .limits import Body
+
+if TYPE_CHECKING:
+    from ..engine import SpecLlama
 
 log = logging.getLogger("specllama")
 
@@ -126,7 +129,7 @@ class Plan:
     The first choice's Completion is built at once, so every option is checked before the
     request waits for its turn; the others are built when their turn comes."""
 
-    def __init__(self, server: Server, llm: Any, prompts: list[list[int]], chat: bool, options: dict,
+    def __init__(self, server: Server, llm: "SpecLlama", prompts: list[list[int]], chat: bool, options: dict,
                  tool_format: Any, n: int, stream: bool, include_usage: bool, return_progress: bool = False,
                  color: bool = False):
         self.server, self.llm, self.prompts, self.chat = server, llm, prompts, chat
@@ -141,7 +144,7 @@ class Plan:
         self.done: list[tuple[int, Completion, list[int]]] = []  # (prompt, run, the choices it serves)
 
     @classmethod
-    def of(cls, server: Server, llm: Any, body: _Body, chat: bool, scope: str = "") -> "Plan":
+    def of(cls, server: Server, llm: "SpecLlama", body: _Body, chat: bool, scope: str = "") -> "Plan":
         """The request's plan (in a worker thread: it renders, tokenizes and compiles); scope:
         its prompt-cache scope."""
         n = 1 if body.n is None else body.n
@@ -178,7 +181,7 @@ class Plan:
                 if not all(isinstance(p, str) for p in batch):
                     raise InvalidParameterError("suffix", body.suffix, "given with a text prompt")
                 batch = [llm.fim_tokens(str(p), body.suffix, n_predict=body.max_tokens or 128) for p in batch]
-            prompts = [llm._prompt_tokens(p) for p in batch]
+            prompts = [llm.prompt_tokens(p) for p in batch]
             max_tokens, n_logprobs = body.max_tokens, body.logprobs
         shaping = shaping_options(grammar=grammar, response_format=response_format, logit_bias=body.logit_bias,
                                   repeat_penalty=body.repeat_penalty, frequency_penalty=body.frequency_penalty,

@@ -14,7 +14,7 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Iterator
-from typing import Any, Optional, Union
+from typing import TYPE_CHECKING, Any, Optional, Union
 
 from fastapi import FastAPI, Request
 from pydantic import ConfigDict
@@ -24,10 +24,13 @@ from ..completions import Completion, generate_options, shaping_options, tool_se
 from ..errors import InvalidParameterError
 from ..messages import content_text
 from .anthropic_messages import deltas
-from .app import Server
+from .core import Server
 from .errors import ApiError, from_library
 from .jobs import Job, ProgressEvents
 from .limits import Body
+
+if TYPE_CHECKING:
+    from ..engine import SpecLlama
 
 log = logging.getLogger("specllama")
 
@@ -148,7 +151,7 @@ class Reply:
                                                              prompt_progress=p.as_dict()))
 
     @classmethod
-    def of(cls, server: Server, llm: Any, body: ResponsesBody, scope: str = "") -> "Reply":
+    def of(cls, server: Server, llm: "SpecLlama", body: ResponsesBody, scope: str = "") -> "Reply":
         """The request's reply (in a worker thread); scope: its prompt-cache scope."""
         fmt = (body.text or {}).get("format") if isinstance(body.text, dict) else None
         server.limits.check(messages=body.input if isinstance(body.input, list) else None, messages_param="input",
