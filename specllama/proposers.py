@@ -19,7 +19,7 @@ from .prompt_cache import PromptCache
 from .proposals import EMPTY, NO_REPORT, DraftMore, DraftReport, Proposal, TreeShape
 from .runtime.protocols import Drafter
 from .runtime.session import common_prefix
-from .sampling import Dist, SamplingSettings, distribution, greedy, sample, top_candidates
+from .sampling import Dist, SamplingSettings, distribution, greedy, sample, top_candidates, top_probability
 from .tree import Tree
 
 
@@ -154,7 +154,7 @@ class DraftModelProposer:
                 q_i: Optional[Dist] = None
                 if sampling.greedy:
                     x = greedy(row)
-                    confidence.append(_top_probability(row))
+                    confidence.append(top_probability(row, x))
                 else:
                     q_i = distribution(row, sampling)
                     x = sample(q_i, gen.rng)
@@ -240,11 +240,6 @@ def _next_best(row: np.ndarray, x: int, q: Optional[Dist], top: float, n: int, r
         token = sample(q_j, rng)
         taken.append(token)
         yield token, q_j, q.prob(token)
-
-
-def _top_probability(row: np.ndarray) -> float:
-    m = row.max()
-    return float(1.0 / np.exp(row - m).sum())
 
 
 class PromptLookupProposer:

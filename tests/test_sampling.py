@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from specllama import InvalidParameterError, SamplingSettings
-from specllama.sampling import Dist, distribution, greedy, sample
+from specllama.sampling import NEAR_TOP, Dist, distribution, greedy, sample, top_probability
 
 
 def softmax(x):
@@ -113,3 +113,22 @@ def test_invalid_settings_name_the_parameter(kwargs, name):
         SamplingSettings(**kwargs)
     assert info.value.name == name
     assert isinstance(info.value, ValueError)
+
+
+def test_top_probability_is_the_softmax_top_within_its_bound():
+    rng = np.random.default_rng(3)
+    for scale in (0.5, 3.0, 12.0):  # flat rows (every logit counts) to peaked ones (a few do)
+        row = (rng.standard_normal(151_936) * scale).astype(np.float32)
+        top = greedy(row)
+        shifted = row.astype(np.float64) - row[top]
+        exact = 1.0 / np.exp(shifted).sum()
+        got = top_probability(row, top)
+        assert exact * (1 - 1e-6) <= got <= exact * (1 + len(row) * np.exp(-NEAR_TOP)), (scale, exact, got)
+    # a row whose far logits together outweigh the top: still counted, as they are within reach
+    row = np.zeros(1000, dtype=np.float32)
+    row[7] = 1.0
+    assert top_probability(row, 7) == pytest.approx(np.e / (np.e + 999))
+    # far below the top, left out: the bound says how much that can be
+    row[:] = -30.0
+    row[7] = 0.0
+    assert top_probability(row, 7) == 1.0 and 1.0 / (1 + 999 * np.exp(-30.0)) > 1 - 1e-9
