@@ -17,7 +17,7 @@ from typing import Any, Optional, Protocol, Union
 
 from .constraints import Lark
 from .errors import InvalidParameterError
-from .options import Prompt
+from .options import GenerateOptions, Prompt
 from .runtime.protocols import Model
 from .stats import Stats
 from .streams import Stream
@@ -31,7 +31,7 @@ class Generator(Protocol):
     @property
     def target(self) -> Model: ...
 
-    def stream(self, prompt: Prompt, **options: Any) -> Stream: ...
+    def stream_of(self, prompt: Prompt, options: GenerateOptions) -> Stream: ...
 
     def chat_tokens(self, messages: list[dict], tools: Optional[list[dict]] = None) -> list[int]: ...
 
@@ -153,20 +153,20 @@ class Completion:
         tool_format: parse tool calls from the output in this format (chat with tools).
         origins: each streamed chunk's choice says who chose its tokens (Chunk.origins), for a
             UI that colours them (the request's "color": true).
-        generate: options for SpecLlama.stream (max_tokens, temperature, ..., n_draft).
+        options: how to generate (generate_options builds them from an API's fields).
     """
 
-    def __init__(self, llm: Generator, tokens: list[int], *, chat: bool, model: str,
+    def __init__(self, llm: Generator, tokens: list[int], options: GenerateOptions, *, chat: bool, model: str,
                  tool_format: Optional[ToolFormat] = None, index: int = 0, id: Optional[str] = None,
-                 origins: bool = False, **generate: Any):
+                 origins: bool = False):
         self.llm, self.tokens, self.chat, self.model = llm, tokens, chat, model
         self.origins = origins
         self.tool_format = tool_format
         self.index = index  # the choice this is, of a request that asked for several
         self.id = id or f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4()}"
         self.created = int(time.time())
-        self.n_logprobs = generate.get("logprobs")
-        self.stream = llm.stream(tokens, **generate)  # checks every option now
+        self.n_logprobs = options.logprobs
+        self.stream = llm.stream_of(tokens, options)  # checks what needs the model now
         self.tool_calls: list[dict] = []
         self._n_text = 0  # characters of text so far, for completions' text_offset
 
@@ -287,9 +287,10 @@ def timings(stats: Stats) -> dict:
 
 def generate_options(max_tokens: Optional[int], n_tokens: int, n_ctx: int, *, temperature: float, top_p: float,
                      min_p: float, top_k: int, stop: Union[None, str, list[str]], seed: Optional[int],
-                     n_draft: Union[None, int, str] = None, speculative: bool = True, **shaping: Any) -> dict:
-    """SpecLlama.stream options from llama-cpp-python's arguments (max_tokens None or <= 0:
-    as many as the context holds); shaping: shaping_options()."""
+                     n_draft: Union[None, int, str] = None, speculative: bool = True,
+                     **shaping: Any) -> GenerateOptions:
+    """The options of a generation from llama-cpp-python's arguments (max_tokens None or <= 0:
+    as many as the context holds), checked now; shaping: shaping_options()."""
     if max_tokens is None or (isinstance(max_tokens, int) and not isinstance(max_tokens, bool) and max_tokens <= 0):
         max_tokens = max(1, n_ctx - n_tokens)
     options = dict(max_tokens=max_tokens, temperature=temperature, top_p=top_p, min_p=min_p, top_k=top_k,
@@ -298,4 +299,4 @@ def generate_options(max_tokens: Optional[int], n_tokens: int, n_ctx: int, *, te
         options["n_draft"] = 0
     elif n_draft is not None:
         options["n_draft"] = n_draft
-    return options
+    return GenerateOptions.of(options)

@@ -12,7 +12,6 @@ import numpy as np
 
 from .batch import BatchApi
 from .compat import check_compatible, vocab_info
-from .constraints import Constraint, Grammar, Penalties, check_logit_bias, grammar_source
 from .controller import Costs
 from .concurrency_probes import plan_pieces
 from .decode import Decoding, generate_steps
@@ -22,14 +21,12 @@ from .generation import accepted_tokens, finish_stats, in_turns, prefill
 from .idle import PROCESS, IdleWork, idle_wanted
 from .llama_api import LlamaApi
 from .messages import normalize as normalize_messages
-from .options import (GenerateOptions, Prompt, check_cache_mb, check_n_draft, check_n_parallel, check_tree,
-                      prompt_tokens)
+from .options import (GenerateOptions, Prompt, check_cache_mb, check_n_draft, check_n_parallel, prompt_tokens)
 from .planner import Planner
-from .request import Request
+from .request import Defaults, Request, resolve, tree_for
 from .disk_cache import DISK_MB
 from .prompt_cache import Budget, PromptCache, cache_report, close_caches, open_disk
 from .runtime.protocols import Drafter, Model
-from .sampling import SamplingSettings
 from .sharing import Sharing, open_sharing, why_not_shared
 from .slots import Pool, Slot, Slots, why_single
 from .stats import Stats
@@ -61,8 +58,9 @@ class SpecLlama(LlamaApi, BatchApi):
                  prompt_cache_disk_mb: float = DISK_MB):
         self.target, self.draft = target, draft
         self.n_draft = check_n_draft(n_draft)
-        self.tree = self._check_tree(tree)
+        self.tree = tree_for(target, tree)
         self.level = parse_level(exact)
+        self._defaults = Defaults(self.n_draft, self.level, self.tree)
         if lookup is not None and not isinstance(lookup, bool):
             raise InvalidParameterError("lookup", lookup, "True, False or None (beside a draft model in auto mode)")
         self.lookup = lookup
@@ -153,7 +151,12 @@ class SpecLlama(LlamaApi, BatchApi):
 
         Options are checked now, so bad input raises here rather than mid-iteration.
         """
-        request = self._request(self.prompt_tokens(prompt), GenerateOptions.of(options))
+        return self.stream_of(prompt, GenerateOptions.of(options))
+
+    def stream_of(self, prompt: Prompt, options: GenerateOptions) -> Stream:
+        """stream() with its options as one GenerateOptions (what the server's translators and
+        the CLI build)."""
+        request = resolve(self.prompt_tokens(prompt), options, self.target, self._defaults)
         outcome = Outcome()
         stream = Stream(self._run(request, outcome), outcome)
         self.pool.open(stream)
@@ -234,37 +237,6 @@ class SpecLlama(LlamaApi, BatchApi):
         parsed) or ids in the vocabulary, not empty, fitting the context; a typed error if not."""
         self._check_open()
         return prompt_tokens(prompt, self.tokenize, self.target.n_vocab, self.target.n_ctx)
-
-    def _request(self, prompt: list[int], o: GenerateOptions) -> Request:
-        sampling = SamplingSettings(temperature=o.temperature, top_k=o.top_k, top_p=o.top_p, min_p=o.min_p)
-        constraint = self._constraint(o.grammar, o.json_schema, o.logit_bias,
-                                      Penalties(o.repeat_penalty, o.frequency_penalty, o.presence_penalty,
-                                                o.penalty_last_n))
-        # None: the most the context holds (every token decoded into it, and one more sampled after)
-        max_tokens = self.target.n_ctx - len(prompt) + 1 if o.max_tokens is None else o.max_tokens
-        return Request(prompt, sampling, max_tokens, o.seed, tuple(o.stop or ()),
-                       self.n_draft if o.n_draft is None else check_n_draft(o.n_draft),
-                       self.level if o.exact is None else parse_level(o.exact), constraint, o.logprobs,
-                       self.tree if o.tree is None else self._check_tree(o.tree), o.cache_scope, o.on_progress)
-
-    def _check_tree(self, tree: Any) -> Union[int, str]:
-        tree = check_tree(tree)
-        if isinstance(tree, int) and tree > 1 and self.target.n_branches <= 1:
-            why = "MTP layers" if self.target.mtp_head is not None else \
-                f"{self.target.memory} memory, or a model this process does not host"
-            raise InvalidParameterError("tree", tree, f'1 or "auto": {self.target.name} verifies chains only ({why})')
-        return tree
-
-    def _constraint(self, grammar: Any, json_schema: Any, logit_bias: Optional[dict],
-                    penalties: Penalties) -> Optional[Constraint]:
-        source = grammar_source(grammar, json_schema)
-        parsed = None
-        if source is not None:
-            param = "grammar" if grammar is not None else "json_schema"
-            parsed = Grammar(self.target.grammar_tokenizer(), source, param)
-        constraint = Constraint(logit_bias=check_logit_bias(logit_bias, self.target.n_vocab), penalties=penalties,
-                                grammar=parsed)
-        return constraint if constraint.active else None
 
     def exclusive(self) -> "AbstractContextManager[None]":
         """The models to the caller alone, for measuring them directly (calibrate, doctor): idle

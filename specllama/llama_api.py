@@ -21,7 +21,7 @@ class LlamaApi:
     # what the SpecLlama it is part of provides (completions.Generator, and the prompt's check)
     target: Any
     prompt_tokens: "Callable[[Prompt], list[int]]"
-    stream: "Callable[..., Stream]"
+    stream_of: "Callable[..., Stream]"
     chat_tokens: Callable[..., list[int]]
 
     def create_completion(self, prompt: "Prompt", max_tokens: Optional[int] = 16, temperature: float = 0.8,
@@ -91,6 +91,6 @@ class LlamaApi:
 
     def _complete(self, tokens: list[int], chat: bool, max_tokens: Optional[int], stream: bool,
                   tool_format: Any, **options: Any) -> Any:
-        completion = Completion(self, tokens, chat=chat, model=self.target.name, tool_format=tool_format,
-                                **generate_options(max_tokens, len(tokens), self.target.n_ctx, **options))
+        completion = Completion(self, tokens, generate_options(max_tokens, len(tokens), self.target.n_ctx, **options),
+                                chat=chat, model=self.target.name, tool_format=tool_format)
         return completion.chunks() if stream else completion.response()

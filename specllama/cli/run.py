@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 import sys
 import time
 from typing import Any, Optional
@@ -49,7 +50,7 @@ def run(choice: ModelChoice, prompt: Optional[str], gen: GenerateOptions, prompt
         else:
             tokens = llm.tokenize(prompt)
         bar = PrefillBar(screen.status)
-        stream = llm.stream(tokens, **{**gen.as_kwargs(), "on_progress": None if as_json else bar})
+        stream = llm.stream_of(tokens, replace(gen, on_progress=None if as_json else bar))
         legend = ColorLegend(llm.draft.name if llm.draft is not None else "the draft") \
             if color and sys.stdout.isatty() and not as_json else None
         if as_json:

@@ -215,8 +215,7 @@ class Turn:
                                        top_p=1.0 if body.top_p is None else body.top_p, min_p=0.0,
                                        top_k=0 if body.top_k is None else body.top_k, stop=body.stop_sequences,
                                        seed=None, cache_scope=scope, **shaping)
-            completion = Completion(llm, tokens, chat=True, model=server.model_id, tool_format=tool_format,
-                                    **options)
+            completion = Completion(llm, tokens, options, chat=True, model=server.model_id, tool_format=tool_format)
         except Exception as e:
             raise _error(e) from None
         if body.thinking:

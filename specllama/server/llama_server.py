@@ -102,7 +102,7 @@ def _infill(server: Server, llm: "SpecLlama", body: InfillBody, scope: str) -> C
                                    target.n_ctx, temperature=body.temperature, top_p=body.top_p, min_p=body.min_p,
                                    top_k=body.top_k, stop=body.stop, seed=body.seed, n_draft=body.n_draft,
                                    cache_scope=scope)
-        return Completion(llm, tokens, chat=False, model=server.model_id, **options)
+        return Completion(llm, tokens, options, chat=False, model=server.model_id)
     except Exception as e:
         raise from_library(e, param="input_prefix") from None
 

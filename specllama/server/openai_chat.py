@@ -13,6 +13,7 @@ import json
 import logging
 import time
 import uuid
+from dataclasses import replace
 from collections.abc import AsyncIterator, Iterator
 from typing import TYPE_CHECKING, Any, Optional, Union
 
@@ -22,6 +23,7 @@ from pydantic import ConfigDict
 from ..completions import (IGNORED, NEUTRAL, Completion, chat_logprobs, check_supported, generate_options,
                            shaping_options, timings, tool_setup)
 from ..errors import InvalidParameterError
+from ..options import GenerateOptions
 from ..streams import PromptProgress
 from .core import Server
 from .errors import ApiError, from_library
@@ -129,15 +131,15 @@ class Plan:
     The first choice's Completion is built at once, so every option is checked before the
     request waits for its turn; the others are built when their turn comes."""
 
-    def __init__(self, server: Server, llm: "SpecLlama", prompts: list[list[int]], chat: bool, options: dict,
+    def __init__(self, server: Server, llm: "SpecLlama", prompts: list[list[int]], chat: bool, options: GenerateOptions,
                  tool_format: Any, n: int, stream: bool, include_usage: bool, return_progress: bool = False,
                  color: bool = False):
         self.server, self.llm, self.prompts, self.chat = server, llm, prompts, chat
         self.tool_format, self.n = tool_format, n
         self.stream, self.include_usage, self.color = stream, include_usage, color
         self.progress = ProgressEvents(self._progress_chunk)
-        self.options = {**options, "on_progress": self.progress} if return_progress and stream else options
-        self.greedy = options["temperature"] == 0
+        self.options = replace(options, on_progress=self.progress) if return_progress and stream else options
+        self.greedy = options.temperature == 0
         self.id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4()}"
         self.created = int(time.time())
         self._first: Optional[Completion] = self._completion(0, 0)
@@ -197,11 +199,11 @@ class Plan:
 
     def _completion(self, j: int, i: int) -> Completion:
         options = self.options
-        if not self.greedy and i and options.get("seed") is not None:
-            options = {**options, "seed": options["seed"] + i}
-        completion = Completion(self.llm, self.prompts[j], chat=self.chat, model=self.server.model_id,
+        if not self.greedy and i and options.seed is not None:
+            options = replace(options, seed=options.seed + i)
+        completion = Completion(self.llm, self.prompts[j], options, chat=self.chat, model=self.server.model_id,
                                 tool_format=self.tool_format, index=j * self.n + i, id=self.id,
-                                origins=self.color and self.stream, **options)
+                                origins=self.color and self.stream)
         completion.created = self.created
         return completion
 

@@ -10,6 +10,7 @@ Responses shapes: output_text and function_call items, response.* events numbere
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 import logging
 import time
 import uuid
@@ -173,9 +174,9 @@ class Reply:
                                        top_p=1.0 if body.top_p is None else body.top_p, min_p=0.0, top_k=0,
                                        stop=None, seed=None, cache_scope=scope, **shaping)
             if body.return_progress and body.stream:
-                options["on_progress"] = reply.progress
-            reply.completion = Completion(llm, tokens, chat=True, model=server.model_id, tool_format=tool_format,
-                                          **options)
+                options = replace(options, on_progress=reply.progress)
+            reply.completion = Completion(llm, tokens, options, chat=True, model=server.model_id,
+                                          tool_format=tool_format)
         except ApiError:
             raise
         except Exception as e:
