@@ -1,6 +1,8 @@
 """Fuzzing GGUF headers: every mutant ends in a Python exception or a load, never a crash.
 
-Mutants of a real small GGUF (SmolLM2 135M) are loaded in subprocesses, one mutant after
+Mutants of a small GGUF (the tiny attention model of scripts/tiny_models.py: a real GGUF
+writer's file with Qwen's whole tokenizer in its metadata, 12 MB against SmolLM2's 90, so a
+mutant is written and loaded in a fraction of the time) are loaded in subprocesses, one mutant after
 another; a subprocess that dies on a signal marks its current mutant as a crash. CI runs a
 sample; SPECLLAMA_FUZZ_FULL=1 runs every mutant.
 """
@@ -68,8 +70,8 @@ def _mutants(data: bytes, header: gguf_check.GGUFHeader) -> list[tuple[str, byte
 
 
 @pytest.fixture(scope="module")
-def mutants(model_paths, tmp_path_factory):
-    src = model_paths["smollm2"]
+def mutants(tiny_paths, tmp_path_factory):
+    src = tiny_paths["attention-draft"]
     data = src.read_bytes()
     header = gguf_check.read_header(src)
     items = _mutants(data, header)

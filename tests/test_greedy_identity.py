@@ -23,7 +23,10 @@ def baseline(plain):
             for name, p in {**PROMPTS, **COPYING}.items()}
 
 
-@pytest.mark.parametrize("n_draft", [1, 3, 8])
+# 8 with the slow tier: at the bitwise level the Q4_K_M target's verify limit is 2-3 rows on our
+# CPUs, so 8 drafted what 3 did; deep drafting on the real pair is tests/test_long_context.py's
+# F16 test, and on any length the tiny models' (test_trees, test_hybrid)
+@pytest.mark.parametrize("n_draft", [1, 3, pytest.param(8, marks=pytest.mark.slow)])
 @pytest.mark.parametrize("name", sorted(PROMPTS))
 def test_speculative_greedy_equals_target_only(pair, baseline, name, n_draft):
     expected = baseline[name]
