@@ -4,7 +4,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
-.venv/bin/python scripts/fetch_models.py target draft gemma smollm2 >/dev/null
+.venv/bin/python scripts/fetch_models.py target draft gemma smollm2 target-f16 >/dev/null  # F16: made once from target
 .venv/bin/ruff check specllama tests benchmarks scripts
 .venv/bin/mypy
 if [ $# -eq 0 ]; then
