@@ -2,10 +2,17 @@
 
     .venv/bin/python -m pytest benchmarks/test_engine_overhead.py -s
 
-A stand-in for fast hardware: the tiny 2-layer attention model of scripts/tiny_models.py (Qwen's
-real 151,936-token vocabulary, random weights) as target and a perturbed copy of it as draft,
-2 threads, 256 greedy tokens: a token costs about what a GPU's does, so whatever the engine
-spends outside llama.cpp shows. The minimum of N_REPEATS runs each (the raw loops in a process
+Two stand-ins for fast hardware, 2 threads, 256 greedy tokens, where a token costs about what a
+GPU's does, so whatever the engine spends outside llama.cpp shows:
+
+- "tiny": the 2-layer attention model of scripts/tiny_models.py (Qwen's real 151,936-token
+  vocabulary, random weights) as target and a perturbed copy of it as draft; its output head
+  makes each row of a pass cost about one token, as on a CPU.
+- "gpu-like": 160 narrow layers on SmolLM2's 49,152-token vocabulary as target and its first 32
+  as draft: most of a pass is its layers' dispatch, whatever its rows, and a draft step costs
+  about a fifth of a target step, as on a GPU. The closest a 2-core CPU gets: a verify of 8
+  rows still costs 2.7x one row here (on a GPU about one).
+ The minimum of N_REPEATS runs each (the raw loops in a process
 of their own, specllama's alternating in this one):
 
 - raw plain: llama_decode one token, argmax of its row, repeat (ctypes, no specllama);
@@ -24,6 +31,7 @@ acceptance (tokens a round), which the engine reaches when its own time is zero.
 from __future__ import annotations
 
 import ctypes
+import hashlib
 import multiprocessing
 import os
 import sys
@@ -33,6 +41,7 @@ from pathlib import Path
 
 import llama_cpp
 import numpy as np
+import pytest
 
 import specllama
 from specllama.runtime import decoder
@@ -50,16 +59,25 @@ PERTURB = 0.05  # the draft's noise: it agrees on most tokens, as a same-family 
 PROMPT = list(range(1000, 1064))
 
 
-def stand_in_pair() -> tuple[Path, Path]:
-    out = Path(tempfile.gettempdir()) / f"specllama-overhead-{PERTURB}"
+# stand-in -> (the GGUF whose tokenizer it takes, the target's and the draft's writer arguments)
+STAND_INS = {
+    "tiny": ("draft", dict(), dict(perturb=PERTURB)),
+    "gpu-like": ("smollm2", dict(n_layer=160, residual=0.015), dict(n_layer=32, residual=0.015)),
+}
+
+
+def stand_in_pair(kind: str) -> tuple[Path, Path]:
+    tokenizer, *kwargs = STAND_INS[kind]
+    version = hashlib.sha1(Path(tiny_models.__file__).read_bytes() + repr(STAND_INS[kind]).encode()).hexdigest()[:10]
+    out = Path(tempfile.gettempdir()) / f"specllama-overhead-{kind}-{version}"
     out.mkdir(exist_ok=True)
     fields = None
     paths = []
-    for name, perturb in (("target", 0.0), ("draft", PERTURB)):
-        path = out / f"tiny-{name}.gguf"
+    for name, args in zip(("target", "draft"), kwargs):
+        path = out / f"{kind}-{name}.gguf"
         if not path.exists():
-            fields = fields or tiny_models.tokenizer_fields(fetch_models.path_of("draft"))
-            tiny_models.write_attention(fields, path.with_suffix(".partial"), perturb=perturb)
+            fields = fields or tiny_models.tokenizer_fields(fetch_models.path_of(tokenizer))
+            tiny_models.write_attention(fields, path.with_suffix(".partial"), **args)
             path.with_suffix(".partial").rename(path)
         paths.append(path)
     return paths[0], paths[1]
@@ -170,13 +188,28 @@ def spec_run(llm, **options) -> dict:
             "t_decode": s.t_decode, "llama_draft": spent["draft"], "llama_target": spent["target"], "tokens": r.tokens}
 
 
+def raw_pass(model: Raw, n_rows: int, n_repeats: int = 60) -> float:
+    """The median seconds of one pass of n_rows at 64 cached tokens, rolled back each time."""
+    model.cut(0)
+    model.decode(PROMPT)
+    times = []
+    for _ in range(n_repeats):
+        t0 = time.perf_counter()
+        model.decode(PROMPT[:n_rows], all_rows=True)
+        model.argmax(n_rows - 1)
+        times.append(time.perf_counter() - t0)
+        model.cut(len(PROMPT))
+    return float(np.median(times))
+
+
 def raw_runs(target_path: Path, draft_path: Path) -> dict[str, list]:
     """The raw loops, N_REPEATS each, alternating. Run in a process of their own: a thread that
     has decoded keeps its OpenMP team while it lives (the main thread, for good), and every
     graph of another thread's team then sleeps and wakes at each barrier (runtime/decoder.py):
     beside them in one process, specllama's plain decoding ran at 1.8x raw's time."""
     raw_target, raw_draft = Raw(target_path), Raw(draft_path)
-    runs: dict[str, list] = {"raw plain": [], "raw chain": []}
+    runs: dict[str, list] = {"raw plain": [], "raw chain": [],
+                             "passes": [raw_pass(raw_target, 1), raw_pass(raw_target, 8), raw_pass(raw_draft, 1)]}
     for _ in range(N_REPEATS):
         runs["raw plain"].append(raw_plain(raw_target))
         runs["raw chain"].append(raw_chain(raw_target, raw_draft))
@@ -185,8 +218,9 @@ def raw_runs(target_path: Path, draft_path: Path) -> dict[str, list]:
     return runs
 
 
-def test_engine_overhead_per_drafted_token_and_per_verify_pass():
-    target_path, draft_path = stand_in_pair()
+@pytest.mark.parametrize("kind", list(STAND_INS))
+def test_engine_overhead_per_drafted_token_and_per_verify_pass(kind):
+    target_path, draft_path = stand_in_pair(kind)
     settings = dict(n_ctx=1024, n_threads=N_THREADS, idle_work=False)
     with multiprocessing.get_context("spawn").Pool(1) as child:
         runs = child.apply(raw_runs, (target_path, draft_path))
@@ -195,13 +229,16 @@ def test_engine_overhead_per_drafted_token_and_per_verify_pass():
             specllama.load(target_path, draft_path, **settings) as default:
         runs.update({"plain": [], "chain": [], "default": []})
         for _ in range(N_REPEATS):
-            runs["plain"].append(spec_run(plain))
+            runs["plain"].append(spec_run(plain, n_draft=0))  # no draft model, and no prompt lookup either
             runs["chain"].append(spec_run(pair, n_draft=K, tree=1))
             runs["default"].append(spec_run(default, n_draft=K))
     raw_plain_s = min(runs["raw plain"])
     raw_chain_s, raw_tpr = min(runs["raw chain"])
     plain_s = min(r["per_token"] for r in runs["plain"])
-    print(f"\nstand-in pair, {N_THREADS} threads, {N_TOKENS} greedy tokens, min of {N_REPEATS}:")
+    one, eight, draft_step = runs["passes"]
+    print(f"\n{kind} stand-in pair, {N_THREADS} threads, {N_TOKENS} greedy tokens, min of {N_REPEATS}: a target "
+          f"pass of 1 row {one * 1e3:.3f} ms, of 8 rows {eight * 1e3:.3f} ms ({eight / one:.2f}x), a draft step "
+          f"{draft_step * 1e3:.3f} ms ({draft_step / one:.2f} of a target step)")
     print(f"  raw plain        {raw_plain_s * 1e3:6.3f} ms a token")
     print(f"  specllama plain  {plain_s * 1e3:6.3f} ms a token ({plain_s / raw_plain_s:.2f}x raw)")
     print(f"  raw chain k={K}    {raw_chain_s * 1e3:6.3f} ms a token, {raw_tpr:.2f} tokens a round "
@@ -214,7 +251,8 @@ def test_engine_overhead_per_drafted_token_and_per_verify_pass():
         floor = (run["llama_draft"] + run["llama_target"]) / (len(run["tokens"]) - 1)
         print(f"  specllama n_draft={K}, {what}: {run['per_token'] * 1e3:.3f} ms a token, "
               f"{run['tokens_per_round']:.2f} tokens a round ({raw_plain_s / run['per_token']:.2f}x raw plain; its "
-              f"llama.cpp calls alone allow {raw_plain_s / floor:.2f}x)")
+              f"llama.cpp calls alone allow {raw_plain_s / floor:.2f}x: it reaches {floor / run['per_token']:.0%} "
+              "of that)")
         print(f"    engine's own: {draft_own * 1e3:.3f} ms a drafted token, {verify_own * 1e3:.3f} ms a verify pass "
               f"({run['drafted']} drafted, {run['rounds']} rounds)")
         assert run["drafted"] > 0 and run["llama_draft"] > 0

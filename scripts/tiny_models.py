@@ -100,20 +100,20 @@ def _q8(weights: np.ndarray) -> np.ndarray:
     return gguf.quants.quantize(weights, gguf.GGMLQuantizationType.Q8_0)
 
 
-def _attention(writer: gguf.GGUFWriter, w: _Weights, il: int, gated_q: bool) -> None:
+def _attention(writer: gguf.GGUFWriter, w: _Weights, il: int, gated_q: bool, residual: float = RESIDUAL) -> None:
     blk = f"blk.{il}"
     _put(writer, f"{blk}.attn_q.weight", _mat(w, HEAD_DIM * N_HEAD * (2 if gated_q else 1), N_EMBD))
     _put(writer, f"{blk}.attn_k.weight", _mat(w, HEAD_DIM * N_HEAD_KV, N_EMBD))
     _put(writer, f"{blk}.attn_v.weight", _mat(w, HEAD_DIM * N_HEAD_KV, N_EMBD))
-    _put(writer, f"{blk}.attn_output.weight", _mat(w, N_EMBD, HEAD_DIM * N_HEAD, RESIDUAL))
+    _put(writer, f"{blk}.attn_output.weight", _mat(w, N_EMBD, HEAD_DIM * N_HEAD, residual))
     _put(writer, f"{blk}.attn_q_norm.weight", _norm(w, HEAD_DIM))
     _put(writer, f"{blk}.attn_k_norm.weight", _norm(w, HEAD_DIM))
 
 
-def _ffn(writer: gguf.GGUFWriter, w: _Weights, il: int) -> None:
+def _ffn(writer: gguf.GGUFWriter, w: _Weights, il: int, residual: float = RESIDUAL) -> None:
     _put(writer, f"blk.{il}.ffn_gate.weight", _mat(w, N_FF, N_EMBD))
     _put(writer, f"blk.{il}.ffn_up.weight", _mat(w, N_FF, N_EMBD))
-    _put(writer, f"blk.{il}.ffn_down.weight", _mat(w, N_EMBD, N_FF, RESIDUAL))
+    _put(writer, f"blk.{il}.ffn_down.weight", _mat(w, N_EMBD, N_FF, residual))
 
 
 def _delta_net(writer: gguf.GGUFWriter, w: _Weights, il: int) -> None:
@@ -193,22 +193,24 @@ def write_hybrid(fields: list, path: Path, *, mtp: bool = False, seed: int = 0, 
 
 
 def write_attention(fields: list, path: Path, *, seed: int = 0, perturb: float = 0.0,
-                    perturb_seed: int = 2) -> Path:
-    """A qwen3 attention-only model with the hybrid's token embedding (same seed)."""
+                    perturb_seed: int = 2, n_layer: int = 2, residual: float = RESIDUAL) -> Path:
+    """A qwen3 attention-only model with the hybrid's token embedding (same seed). More layers
+    with a smaller residual gain make a pass cost what its layers' dispatch costs, whatever its
+    rows: a stand-in for a GPU, where a verify of several rows costs about one."""
     n_vocab = len(next(v for k, v, *_ in fields if k == "tokenizer.ggml.tokens"))
     w = _Weights(seed, perturb, perturb_seed)
     writer = gguf.GGUFWriter(str(path), "qwen3")
-    _common(writer, 2, "tiny-qwen3")
+    _common(writer, n_layer, "tiny-qwen3")
     _add_tokenizer(writer, fields)
     embd = w(n_vocab, N_EMBD, exact=True)
     _put(writer, "token_embd.weight", _q8(embd))
     _put(writer, "output.weight", _output_head(embd, w))
     _put(writer, "output_norm.weight", _norm(w, N_EMBD))
-    for il in range(2):
+    for il in range(n_layer):
         _put(writer, f"blk.{il}.attn_norm.weight", _norm(w, N_EMBD))
         _put(writer, f"blk.{il}.ffn_norm.weight", _norm(w, N_EMBD))
-        _attention(writer, w, il, gated_q=False)
-        _ffn(writer, w, il)
+        _attention(writer, w, il, gated_q=False, residual=residual)
+        _ffn(writer, w, il, residual=residual)
     _finish(writer)
     return path
 
