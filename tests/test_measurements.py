@@ -178,7 +178,7 @@ def test_the_draft_catches_up_in_pieces_a_request_stops_between(model_paths, hom
         probes = [key for key in llm.idle._tasks if key.startswith("pieces|")]
         assert probes == [f"pieces|{draft.identity}"], probes
         assert llm.idle._run(llm.idle._tasks[probes[0]], lambda: False) and llm.pool.n_piece(draft) == N_PIECE
-        llm.generate(LONG_STORY * 3 + "Continue the story.", max_tokens=4, n_draft=0)
+        llm.generate(LONG_STORY * 2 + "Continue the story.", max_tokens=4, n_draft=0)
         conversation = list(llm.target.cached)
         assert len(conversation) > draft.n_batch + N_PIECE and draft.cached == []
         catch_up = llm.idle._tasks["draft catch-up"]
@@ -227,12 +227,12 @@ def test_a_request_at_a_kv_length_never_measured_runs_no_probe(model_paths, home
 
     monkeypatch.setattr(calibrate, "probe_batch_diffs", counted)
     prompt = LONG_STORY + "Continue the story."
-    expected = plain.generate(prompt, max_tokens=40).tokens
+    expected = plain.generate(prompt, max_tokens=16).tokens
     with load(model_paths, exact="bitwise", idle_work=True) as llm:
         llm.warm_up()  # the short context and the costs, as a server does after loading
         probes.clear()
         t0 = time.monotonic()
-        r = llm.generate(prompt, max_tokens=40)
+        r = llm.generate(prompt, max_tokens=16)
         t1 = time.monotonic()
         assert r.tokens == expected  # bitwise: plain decoding's tokens
         assert not [t for t in probes if t0 <= t <= t1], "a probe ran inside the request"
@@ -241,7 +241,7 @@ def test_a_request_at_a_kv_length_never_measured_runs_no_probe(model_paths, home
         while llm.idle.pending() and time.monotonic() < deadline:
             time.sleep(0.2)
         assert probes and not llm.idle.pending()
-        again = llm.generate(prompt, max_tokens=40)
+        again = llm.generate(prompt, max_tokens=16)
         assert again.tokens == expected and not again.stats.measurements_pending
 
 

@@ -48,10 +48,12 @@ def wrapped(text: str, cols: int = COLS) -> list[str]:
 
 
 def test_run_s_status_line_never_lands_in_the_answer(model_paths, pair):
+    """In colour (--color): the colours change no character of the answer or of its wrapping."""
     expected = pair.chat([{"role": "user", "content": PROMPT}], max_tokens=160).text
     child = pexpect.spawn(sys.executable, ["-m", "specllama", "run", *model_args(model_paths), PROMPT,
-                                           "--max-tokens", "160"], encoding="utf-8", timeout=300,
-                          dimensions=(ROWS, COLS))
+                                           "--max-tokens", "160", "--color", "--n-draft", "3"], encoding="utf-8",
+                          timeout=300, dimensions=(ROWS, COLS))
+    child.logfile_read = io.StringIO()
     try:
         child.expect(pexpect.EOF)
     finally:
@@ -64,6 +66,17 @@ def test_run_s_status_line_never_lands_in_the_answer(model_paths, pair):
     assert not any("drafted (" in line for line in lines)  # the status line is gone once it ended
     after = "".join(lines[start + len(wrapped(expected)):])  # the stats line, wrapped at COLS
     assert after.startswith("[") and "drafted by" in after and "tok/s" in after, lines
+    # green where the draft's tokens were kept, plain for the target's own; the legend counts them
+    cells = colored_lines(child.logfile_read.getvalue())
+    texts = ["".join(ch for ch, _ in line).rstrip() for line in cells]
+    first = texts.index(lines[start])
+    answer = cells[first:first + len(wrapped(expected))]
+    assert ["".join(ch for ch, _ in line).rstrip() for line in answer] == wrapped(expected)
+    colors = {fg for line in answer for ch, fg in line if ch.strip()}
+    assert colors == {"green", "default"}, colors
+    legend = after[after.index("colors: "):]
+    counts = {name: int(n) for n, name in re.findall(r"(\d+) (tokens drafted|copied|the target)", legend)}
+    assert counts["tokens drafted"] > 0 and counts["copied"] == 0 and sum(counts.values()) == 160, legend
 
 
 def test_a_status_drawn_after_a_full_width_line_leaves_the_line_whole():
@@ -286,44 +299,32 @@ def test_the_prefill_bar_is_drawn_only_for_a_long_prefill_and_says_how_far_it_is
     assert cleared == ["clear"]  # cleared once, and only once drawn
 
 
-def colored_run(args: list[str]) -> tuple[list[tuple[str, str]], str]:
-    """`specllama run --color` in a pseudo-terminal: the answer's characters with their colours
-    as the terminal shows them (pyte), and the legend line."""
-    child = pexpect.spawn(sys.executable, ["-m", "specllama", "run", *args, "--color"], encoding="utf-8",
-                          timeout=300, dimensions=(200, 200))
+def colored_lines(output: str, rows: int = ROWS, cols: int = COLS) -> list[list[tuple[str, str]]]:
+    """Every line the terminal showed, scrolled-off ones first, as (character, colour) cells."""
+    screen = pyte.HistoryScreen(cols, rows, history=10_000)
+    screen.set_mode(pyte.modes.LNM)
+    pyte.Stream(screen).feed(output)
+    lines = [*screen.history.top, *(screen.buffer[y] for y in range(rows))]
+    return [[(line[x].data, line[x].fg) for x in range(cols)] for line in lines]
+
+
+def test_run_color_shows_prompt_lookup_s_kept_tokens_in_cyan(model_paths):
+    """(The draft model's green: test_run_s_status_line_never_lands_in_the_answer.)"""
+    echo = "Repeat this line exactly: alpha beta gamma delta epsilon zeta eta theta iota kappa"
+    child = pexpect.spawn(sys.executable, ["-m", "specllama", "run", str(model_paths["target"]), "--draft", "ngram",
+                                           "--ctx", str(SETTINGS["n_ctx"]), "--threads", str(SETTINGS["n_threads"]),
+                                           echo, "--max-tokens", "24", "--n-draft", "3", "--color"],
+                          encoding="utf-8", timeout=300, dimensions=(ROWS, COLS))
     child.logfile_read = io.StringIO()
     try:
         child.expect(pexpect.EOF)
     finally:
         child.close(force=True)
     assert child.exitstatus == 0, child.before
-    screen = pyte.Screen(200, 200)
-    screen.set_mode(pyte.modes.LNM)
-    pyte.Stream(screen).feed(child.logfile_read.getvalue())
-    rows = [screen.buffer[y] for y in range(200)]
-    first_stats = next(y for y in range(200) if screen.display[y].startswith("["))
-    start = max((y + 1 for y in range(first_stats) if screen.display[y].startswith("specllama: ")), default=0)
-    cells = [(row[x].data, row[x].fg) for row in rows[start:first_stats] for x in range(200)]
-    legend = next(line for line in screen.display if line.startswith("colors: "))
-    return cells, legend
-
-
-def test_run_color_shows_who_chose_each_token(model_paths, pair):
-    """Green where the draft model's tokens were kept, cyan where prompt lookup's were, plain for
-    the target's own; the text itself is the answer, unchanged."""
-    expected = pair.chat([{"role": "user", "content": PROMPT}], max_tokens=60).text
-    cells, legend = colored_run([*model_args(model_paths), PROMPT, "--max-tokens", "60", "--n-draft", "3"])
-    text = "".join(ch for ch, _ in cells).replace(" ", "")
-    assert text == expected.replace(" ", "").replace("\n", ""), (text, expected)
-    counts = {name: int(n) for n, name in re.findall(r"(\d+) (tokens drafted|copied|the target)", legend)}
-    assert counts["tokens drafted"] > 0 and counts["copied"] == 0 and sum(counts.values()) == 60, legend
-    colors = {fg for ch, fg in cells if ch.strip()}
-    assert colors == {"green", "default"}, colors
-    # prompt lookup alone: cyan where the copied tokens were kept
-    echo = "Repeat this line exactly: alpha beta gamma delta epsilon zeta eta theta iota kappa"
-    cells, legend = colored_run([str(model_paths["target"]), "--draft", "ngram", "--ctx", str(SETTINGS["n_ctx"]),
-                                 "--threads", str(SETTINGS["n_threads"]), echo, "--max-tokens", "24",
-                                 "--n-draft", "3"])
+    lines = colored_lines(child.logfile_read.getvalue())
+    texts = ["".join(ch for ch, _ in line).rstrip() for line in lines]
+    legend = "".join(texts[next(i for i, t in enumerate(texts) if t.startswith("colors: ")):])
     counts = {name: int(n) for n, name in re.findall(r"(\d+) (tokens drafted|copied|the target)", legend)}
     assert counts["copied"] > 0 and counts["tokens drafted"] == 0, legend
-    assert {fg for ch, fg in cells if ch.strip()} == {"cyan", "default"}
+    answer = [line for line, text in zip(lines, texts) if not text.startswith(("specllama: ", "[", "colors: "))]
+    assert {fg for line in answer for ch, fg in line if ch.strip()} == {"cyan", "default"}
