@@ -86,12 +86,14 @@ def test_only_unseeded_generations_share_what_the_controller_learned(pair):
     calibration for greedy drafts (top probability) and one for sampled drafts (q of the
     token drawn); a seeded generation starts fresh and frozen, so history cannot steer it."""
     from specllama.options import GenerateOptions
+    from specllama.request import Defaults, resolve
 
     pair.warm_up()  # the auto controller needs the decode costs (run alone, no earlier test measured them)
 
     def policy(seeded, greedy):
         options = GenerateOptions(temperature=0.0 if greedy else 0.7, seed=1 if seeded else None, n_draft="auto")
-        return pair.planner._policy(pair._request(pair.tokenize("hi"), options))
+        request = resolve(pair.tokenize("hi"), options, pair.target, Defaults(pair.n_draft, pair.level, pair.tree))
+        return pair.planner._policy(request)
 
     greedy, greedy_again, sampled = policy(False, True), policy(False, True), policy(False, False)
     assert greedy.draft_acceptance.pair is greedy_again.draft_acceptance.pair and greedy.costs is sampled.costs
