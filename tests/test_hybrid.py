@@ -165,11 +165,14 @@ def test_a_conversation_on_a_hybrid_cache_equals_a_fresh_load(tiny_paths, exact)
     assert (reused.stats.n_prompt_cached > n_first) == (exact == "rounding")
 
 
-@pytest.mark.parametrize("draft", ["hybrid-draft", "mtp"])
-def test_sampled_speculation_has_the_target_distribution(tiny_paths, draft):
+# the attention target (seq_rm rollback) as the real pair's is: its chi-square on the real pair
+# (test_sampling_e2e) runs with the slow tier, the property being the sampler's, not the model's
+@pytest.mark.parametrize("target, draft", [("hybrid-target", "hybrid-draft"), ("hybrid-target", "mtp"),
+                                           ("attention-draft", "hybrid-draft")])
+def test_sampled_speculation_has_the_target_distribution(tiny_paths, target, draft):
     settings = dict(temperature=1.0, top_k=6, top_p=1.0, min_p=0.0)
     draft_path = "mtp" if draft == "mtp" else tiny_paths[draft]
-    with specllama.load(tiny_paths["hybrid-target"], draft_path, exact="bitwise", **SETTINGS) as llm:
+    with specllama.load(tiny_paths[target], draft_path, exact="bitwise", **SETTINGS) as llm:
         prompt = llm.tokenize("Once upon a time")
         mode, second, n_rejections = second_tokens(llm, prompt, 200, settings)
         with own_target(llm) as target:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 from specllama.sampling import SamplingSettings, distribution
 from test_verify import chi2_critical, chi2_stat
@@ -33,6 +34,7 @@ def second_tokens(llm, prompt: list[int], n_seeds: int, settings: dict) -> tuple
     return mode, [t[1] for t in pairs if t[0] == mode], n_rejections
 
 
+@pytest.mark.slow  # the same chi-square on tiny models, attention target included, is test_hybrid's
 def test_first_speculated_token_has_the_target_distribution(pair, plain):
     """The token after the prefill token is the first one a speculative round produces.
 
