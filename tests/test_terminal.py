@@ -47,27 +47,32 @@ def wrapped(text: str, cols: int = COLS) -> list[str]:
     return out
 
 
-def test_run_s_status_line_never_lands_in_the_answer(model_paths, pair):
-    """In colour (--color): the colours change no character of the answer or of its wrapping."""
-    expected = pair.chat([{"role": "user", "content": PROMPT}], max_tokens=160).text
-    child = pexpect.spawn(sys.executable, ["-m", "specllama", "run", *model_args(model_paths), PROMPT,
-                                           "--max-tokens", "160", "--color", "--n-draft", "3"], encoding="utf-8",
-                          timeout=300, dimensions=(ROWS, COLS))
+def run_in_terminal(args: list[str], rows: int = ROWS, cols: int = COLS) -> str:
+    """`specllama run ARGS` in a pseudo-terminal of rows x cols: all it wrote, once it exited 0."""
+    child = pexpect.spawn(sys.executable, ["-m", "specllama", "run", *args], encoding="utf-8", timeout=300,
+                          dimensions=(rows, cols))
     child.logfile_read = io.StringIO()
     try:
         child.expect(pexpect.EOF)
     finally:
         child.close(force=True)  # a timed-out child is killed, not left running
     assert child.exitstatus == 0, child.before
-    lines = screen_of(child.before)
+    return child.logfile_read.getvalue()
+
+
+def test_run_s_status_line_never_lands_in_the_answer(model_paths, pair):
+    """In colour (--color): the colours change no character of the answer or of its wrapping."""
+    expected = pair.chat([{"role": "user", "content": PROMPT}], max_tokens=160).text
+    seen = run_in_terminal([*model_args(model_paths), PROMPT, "--max-tokens", "160", "--color", "--n-draft", "3"])
+    lines = screen_of(seen)
     start = next(i for i, line in enumerate(lines) if line and expected.split("\n")[0].startswith(line[:20]))
     answer = lines[start:start + len(wrapped(expected))]
-    assert answer == wrapped(expected), repr(child.before[-3000:])  # the screen shows the text, nothing else
+    assert answer == wrapped(expected), repr(seen[-3000:])  # the screen shows the text, nothing else
     assert not any("drafted (" in line for line in lines)  # the status line is gone once it ended
     after = "".join(lines[start + len(wrapped(expected)):])  # the stats line, wrapped at COLS
     assert after.startswith("[") and "drafted by" in after and "tok/s" in after, lines
     # green where the draft's tokens were kept, plain for the target's own; the legend counts them
-    cells = colored_lines(child.logfile_read.getvalue())
+    cells = colored_lines(seen)
     texts = ["".join(ch for ch, _ in line).rstrip() for line in cells]
     first = texts.index(lines[start])
     answer = cells[first:first + len(wrapped(expected))]
@@ -261,17 +266,8 @@ def test_a_long_prefill_shows_a_bar_that_is_gone_when_the_answer_starts(model_pa
     batch says the prefill will take over two seconds), short enough for the suite."""
     prompt = tmp_path / "prompt.txt"
     prompt.write_text("The sea was calm and the ships sailed on. " * 200 + "\nIn one word, the sea was")
-    child = pexpect.spawn(sys.executable, ["-m", "specllama", "run", str(model_paths["smollm2"]), "--draft", "none",
-                                           "--raw", "-f", str(prompt), "--max-tokens", "3", "--threads",
-                                           str(SETTINGS["n_threads"])], encoding="utf-8", timeout=300,
-                          dimensions=(ROWS, COLS))
-    child.logfile_read = io.StringIO()
-    try:
-        child.expect(pexpect.EOF)
-    finally:
-        child.close(force=True)
-    assert child.exitstatus == 0, child.before
-    seen = child.logfile_read.getvalue()
+    seen = run_in_terminal([str(model_paths["smollm2"]), "--draft", "none", "--raw", "-f", str(prompt),
+                            "--max-tokens", "3", "--threads", str(SETTINGS["n_threads"])])
     drawn = [part for part in seen.split("\033[2K") if part.startswith("reading the prompt [")]
     assert len(drawn) >= 3 and re.match(r"reading the prompt \[#+-+\] 512/2,\d{3} tokens \(\d+%\), \d+ s left",
                                         drawn[0]), drawn  # each batch redraws it
@@ -311,17 +307,9 @@ def colored_lines(output: str, rows: int = ROWS, cols: int = COLS) -> list[list[
 def test_run_color_shows_prompt_lookup_s_kept_tokens_in_cyan(model_paths):
     """(The draft model's green: test_run_s_status_line_never_lands_in_the_answer.)"""
     echo = "Repeat this line exactly: alpha beta gamma delta epsilon zeta eta theta iota kappa"
-    child = pexpect.spawn(sys.executable, ["-m", "specllama", "run", str(model_paths["target"]), "--draft", "ngram",
-                                           "--ctx", str(SETTINGS["n_ctx"]), "--threads", str(SETTINGS["n_threads"]),
-                                           echo, "--max-tokens", "24", "--n-draft", "3", "--color"],
-                          encoding="utf-8", timeout=300, dimensions=(ROWS, COLS))
-    child.logfile_read = io.StringIO()
-    try:
-        child.expect(pexpect.EOF)
-    finally:
-        child.close(force=True)
-    assert child.exitstatus == 0, child.before
-    lines = colored_lines(child.logfile_read.getvalue())
+    lines = colored_lines(run_in_terminal([str(model_paths["target"]), "--draft", "ngram", "--ctx",
+                                           str(SETTINGS["n_ctx"]), "--threads", str(SETTINGS["n_threads"]), echo,
+                                           "--max-tokens", "24", "--n-draft", "3", "--color"]))
     texts = ["".join(ch for ch, _ in line).rstrip() for line in lines]
     legend = "".join(texts[next(i for i, t in enumerate(texts) if t.startswith("colors: ")):])
     counts = {name: int(n) for n, name in re.findall(r"(\d+) (tokens drafted|copied|the target)", legend)}
