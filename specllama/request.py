@@ -69,7 +69,7 @@ def resolve(prompt: list[int], o: GenerateOptions, target: Model, defaults: Defa
 
 
 def tree_for(target: Model, tree: Any) -> Union[int, str]:
-    """check_tree, and chains only (1) where the target verifies no trees."""
+    """check_tree, refusing more than one candidate a position where the target verifies chains only."""
     tree = check_tree(tree)
     if isinstance(tree, int) and tree > 1 and target.n_branches <= 1:
         why = "MTP layers" if target.mtp_head is not None else \
