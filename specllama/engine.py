@@ -21,7 +21,7 @@ from .generation import accepted_tokens, finish_stats, in_turns, prefill
 from .idle import PROCESS, IdleWork, idle_wanted
 from .llama_api import LlamaApi
 from .messages import normalize as normalize_messages
-from .options import (GenerateOptions, Prompt, check_cache_mb, check_n_draft, check_n_parallel, prompt_tokens)
+from .options import GenerateOptions, Prompt, check_cache_mb, check_n_draft, check_n_parallel, prompt_tokens
 from .planner import Planner
 from .request import Defaults, Request, resolve, tree_for
 from .disk_cache import DISK_MB
@@ -280,7 +280,7 @@ class SpecLlama(LlamaApi, BatchApi):
                     with self._models:  # the rollback of an interrupted round decodes
                         steps.close()
                 finish_stats(stats, req, tokens, finish, matcher.stopped, limits, policy, t_start,
-                              slot.target.n_replayed - n_replayed, self.target, self.draft)
+                             slot.target.n_replayed - n_replayed, self.target, self.draft)
                 stats.slot = slot.index
                 self.planner.account(stats, req, policy, learned_before)
                 outcome.result = Result("".join(texts), tokens, finish, stats, matcher.matched)
