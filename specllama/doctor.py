@@ -20,6 +20,7 @@ if TYPE_CHECKING:
 from . import records
 from .calibrate import apart_key, calibrate_fidelity, fidelity_key, piece_key
 from .controller import OnlineCosts, draft_can_pay
+from .controller.costs import ideal_speedup
 from .fidelity import LEVELS, group_label, kv_group
 from .limits import MAX_VERIFY
 from .sharing import why_not_shared
@@ -166,7 +167,7 @@ def verdict(costs, k_max: int, has_draft: bool) -> str:
         return (f"a draft cannot pay here: the target takes {v1:.0f} ms for one token and {v2:.0f} ms to verify "
                 f"two, the draft {costs.draft_token * 1000:.0f} ms a token, so even an always-right draft is "
                 f"slower than plain decoding; prompt lookup can still pay on edits")
-    best = max((k + 1) * costs.v(1) / (k * costs.draft_token + costs.v(k + 1)) for k in range(1, k_max + 1))
+    best = max(ideal_speedup(costs, k) for k in range(1, k_max + 1))
     row = (costs.v(min(6, k_max + 1)) - costs.v(2)) / max(min(6, k_max + 1) - 2, 1) * 1000
     return (f"a draft can pay here: one token costs {v1:.0f} ms and verifying two {v2:.0f} ms, the draft "
             f"{costs.draft_token * 1000:.0f} ms a token; with every draft accepted it would run {best:.1f}x plain "

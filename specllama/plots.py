@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from .controller import Costs
+from .controller.costs import ideal_speedup
 
 N_ROWS = 16  # the verify batches drawn
 EXTRA = "pip install -e '.[plot]' (matplotlib)"
@@ -25,14 +26,6 @@ def missing() -> Optional[str]:
     except ImportError:
         return f"drawing needs matplotlib: {EXTRA}"
     return None
-
-
-def ideal_speedup(costs: Costs, k: int) -> float:
-    """Plain decoding's time for k + 1 tokens over a round's: k draft steps and a verify of k + 1
-    rows, every draft kept; k = 0 is plain decoding."""
-    if k == 0:
-        return 1.0
-    return (k + 1) * costs.v(1) / (k * costs.draft_token + costs.v(k + 1))
 
 
 def acceptance_by_position(drafted_at: Sequence[int], accepted_at: Sequence[int]) -> list[float]:

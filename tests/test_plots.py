@@ -11,7 +11,8 @@ import pytest
 
 from conftest import SETTINGS
 from specllama.controller import Costs
-from specllama.plots import acceptance_by_position, ideal_speedup
+from specllama.controller.costs import ideal_speedup
+from specllama.plots import acceptance_by_position
 
 pytestmark = pytest.mark.children
 

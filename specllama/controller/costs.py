@@ -36,6 +36,14 @@ MIN_RATIO = 0.05  # the least measured/calibrated ratio a fit may give
 STEP_CONTEXT = 64  # cached tokens behind the calibration's draft step (calibrate.measure_costs)
 
 
+def ideal_speedup(costs: Costs, k: int) -> float:
+    """Plain decoding's time for k + 1 tokens over a round's: k draft steps and a verify of k + 1
+    rows, every draft kept; k = 0 is plain decoding."""
+    if k == 0:
+        return 1.0
+    return (k + 1) * costs.v(1) / (k * costs.draft_token + costs.v(k + 1))
+
+
 def kv_factor(costs: Costs, n_kv: int) -> float:
     """A draft step after n_kv cached tokens over one at the calibration's short context: each
     step attends over every cached token, so its cost grows in a line through the short step
