@@ -42,6 +42,10 @@ class Handle:
     def alive(self) -> bool:
         return self._ptr is not None
 
+    def view(self) -> "Handle":
+        """The same pointer, freeing nothing: its owner (this handle) frees it, after the view's user."""
+        return Handle(self.ptr, None, self.what, None)
+
     def free(self) -> None:
         ptr, self._ptr = self._ptr, None
         if ptr is not None and self._free_fn is not None:

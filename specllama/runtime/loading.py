@@ -61,8 +61,7 @@ def sibling_runtime(runtime: Any) -> Any:
     stack = ExitStack()
     try:
         ram0, gpu_free0 = resident_bytes(), gpu_free()
-        original = runtime.handles[0]
-        model = Handle(original.ptr, None, original.what, None)  # the original frees it
+        model = runtime.handles[0].view()  # the original frees it
         twin = _on_new_context(type(runtime), model, runtime.settings, stack, runtime.name, runtime.identity,
                                runtime.n_seq)
         twin.path = runtime.path

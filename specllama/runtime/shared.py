@@ -33,7 +33,7 @@ import numpy as np
 
 from ..errors import DecodeError
 from .decoder import llama_decode
-from .handles import Batch, Handle, new_context
+from .handles import Batch, new_context
 
 Item = tuple[int, int, tuple[int, ...], bool]
 
@@ -146,8 +146,7 @@ class SharedContext:
         settings = first.settings
         self.name, self.n_lanes, self.n_branches = first.name, n_lanes, first.n_branches
         self._stack = ExitStack()
-        model = first.handles[0]
-        self._model = Handle(model.ptr, None, model.what, None)  # the first runtime frees it
+        self._model = first.handles[0].view()  # the first runtime frees it
         self._first = first
         try:
             self._ctx = new_context(self._model, replace(settings, n_ctx=settings.n_ctx * n_lanes), self._stack,
@@ -189,7 +188,7 @@ class SharedContext:
             raise IndexError(f"{self.name} has lanes 0..{self.n_lanes - 1}, not {index}")
         while len(self.lanes) <= index:
             first = self._first
-            ctx = Handle(self._ctx.ptr, None, self._ctx.what, None)  # freed by close(), after every lane
+            ctx = self._ctx.view()  # freed by close(), after every lane
             runtime = type(first)(self._model, ctx, first.name, ExitStack(), first.identity,
                                   first.settings.rollback, n_seq=self.n_branches,
                                   lane=self._lane_of(len(self.lanes) * self.n_branches))
