@@ -20,7 +20,7 @@ from .controller import Policy, planning_load
 from .fidelity import Limits, near_tie, top_gap
 from .proposals import EMPTY, NO_REPORT, DraftReport, Proposal, RoundOutcome, TreeShape
 from .proposers import Generation, Proposer
-from .runtime.protocols import Model
+from .runtime.protocols import LaneLoad, Model, Pass
 from .sampling import Dist, SamplingSettings, distribution, greedy, top_candidates
 from .stats import Stats
 from .verify import greedy_verify, speculative_verify, tree_greedy_verify, tree_speculative_verify
@@ -55,7 +55,8 @@ class Decoding:
     source and draft length within the verify size the fidelity limits allow at the current KV
     length; the constraint (a grammar, logit bias, penalties) shapes every row before its token
     is chosen and follows the accepted tokens; n_logprobs asks each Step for logprobs with that
-    many alternatives (0: the chosen token's only)."""
+    many alternatives (0: the chosen token's only). lane: where the target is a lane of a shared
+    context, what its rounds plan for (its verify passes ride with other lanes' rows)."""
 
     target: Model
     proposer: Optional[Proposer]
@@ -66,6 +67,7 @@ class Decoding:
     stats: Stats
     constraint: Optional[Constraint] = None
     n_logprobs: Optional[int] = None
+    lane: Optional[LaneLoad] = None
 
 
 @dataclass(frozen=True)
@@ -105,23 +107,22 @@ def generate_steps(d: Decoding, prompt: Sequence[int]) -> Generator[Step, None, 
             # 1. the largest verify batch the fidelity level allows here (plain decoding where it
             # has not been measured yet: the probe is queued for when the process is idle)
             d.limits.reach(n_past)
-            limit = d.limits.max_batch(n_past) if d.proposer is not None or d.limits.shared is not None else 1
-            n_verify_max = limit if d.proposer is not None else 1
-            if d.limits.shared is not None:  # a lane: the largest pass its rows may ride in
-                target.batch_cap = limit
-                if not stats.n_rounds:  # the first round plans for the lanes generating now
-                    d.policy.load(*_lane_load(target, 0, 1))
+            # (a lane: also the largest pass its rows may ride in, other lanes' included)
+            cap = d.limits.max_batch(n_past) if d.proposer is not None or d.lane is not None else 1
+            n_verify_max = cap if d.proposer is not None else 1
+            if d.lane is not None and not stats.n_rounds:  # the first round plans for the lanes generating now
+                d.policy.load(*_lane_load(d.lane, cap, 0, 1))
             t1 = time.perf_counter()
             # 2. propose: tokens the grammar forces first (free), then the policy's source
             r = _propose(d, tokens, n_verify_max)
             t2 = time.perf_counter()
             # 3. verify: one target pass over [newest token, x_1..x_k], logits for all k+1 rows
             # (a tree: each branch a sequence of its own, so no branch sees another)
-            row0 = _verify_pass(d, tokens[-1], r.proposal, n_past)
+            done, row0 = _verify_pass(d, tokens[-1], r.proposal, n_past, cap)
             t3 = time.perf_counter()
             # 4. accept the agreeing prefix (a tree: the longest agreeing path) plus one target token
             path, next_token, rows = _verify(d, r.proposal)
-            _judge_near_ties(d, rows, first_gap, n_past, r, len(tokens) - len(prompt))
+            _judge_near_ties(d, rows, first_gap, n_past, r, len(tokens) - len(prompt), done)
             first_gap = None
             new = [*(r.proposal.tokens[i] for i in path), next_token]
             step = Step(new, len(path), _logprobs(target, new, d.n_logprobs, [0, *(i + 1 for i in path)]),
@@ -129,7 +130,7 @@ def generate_steps(d: Decoding, prompt: Sequence[int]) -> Generator[Step, None, 
             # 5. roll the target back to what was accepted
             target.truncate(n_past + 1 + len(path), path if r.proposal.tree is not None else None)
             tokens.extend(new)
-            _record(d, r, path, new, (t0, t1, t2, t3, time.perf_counter()))
+            _record(d, r, path, new, (t0, t1, t2, t3, time.perf_counter()), done, cap)
             if row0 is not None:
                 _check_assumed(d, row0, tokens[n_past], n_past, new[:-1])
             yield step
@@ -179,10 +180,12 @@ def _shape(d: Decoding, k_cap: int) -> Optional[TreeShape]:
     return TreeShape(d.policy.width, k_cap, d.target.n_branches, d.policy.sibling, d.policy.lookup_node)
 
 
-def _record(d: Decoding, r: _Round, path: list[int], new: list[int], times: tuple[float, ...]) -> None:
+def _record(d: Decoding, r: _Round, path: list[int], new: list[int], times: tuple[float, ...], done: Pass,
+            cap: int) -> None:
     """Where the round's time went, its counts, and what the policy learns from it: its own
     source, on the rounds that reached its drafts; what the rollback cost (a recurrent state
-    restored and replayed) is part of the pass."""
+    restored and replayed) is part of the pass (done: what the verify pass held; cap: the
+    most rows it could)."""
     t0, t1, t2, t3, t4 = times
     stats = d.stats
     stats.t_draft += t2 - t0  # the limit's lookup (t0..t1) is part of planning the round
@@ -196,36 +199,40 @@ def _record(d: Decoding, r: _Round, path: list[int], new: list[int], times: tupl
         # waited for other lanes' rounds is not this round's cost; the next round plans for
         # the lanes generating now (planning_load)
         n_own = r.n_pending + len(r.proposal.tokens) + 1
-        n_verify = max(n_own, d.target.n_batch_rows)
-        seconds = t4 - t2 - d.target.t_waited
-        n_other, n_lanes, n_cap = _lane_load(d.target, n_verify - n_own, d.target.n_batch_lanes)
-        cap = n_cap if d.limits.shared is not None else None
+        n_verify = max(n_own, done.n_rows)
+        seconds = t4 - t2 - done.t_waited
+        n_other, n_lanes, n_cap = _lane_load(d.lane, cap, n_verify - n_own, done.n_lanes)
+        room = n_cap if d.lane is not None else None
         if len(path) >= r.n_forced:
             d.policy.observe(RoundOutcome(r.source, r.drafted, new[r.n_forced:], seconds, d.sampling.greedy,
-                                          r.report, r.offer, n_verify, n_other, n_lanes, cap))
+                                          r.report, r.offer, n_verify, n_other, n_lanes, room))
         else:
             d.policy.observe(RoundOutcome("grammar", EMPTY, new, seconds, d.sampling.greedy, n_verify=n_verify,
-                                          n_other=n_other, n_lanes=n_lanes, n_cap=cap))
+                                          n_other=n_other, n_lanes=n_lanes, n_cap=room))
 
 
-def _lane_load(target: Model, n_other: int, n_lanes: int) -> tuple[int, int, int]:
+def _lane_load(lane: Optional[LaneLoad], cap: int, n_other: int, n_lanes: int) -> tuple[int, int, int]:
     """What a lane plans its next round for: the rows and lanes beside its own (planning_load,
-    from its last pass's), and the rows of the pass it may plan for, the others' and its share
-    (shared.fair_room): its rows past that are priced as a pass of their own."""
-    n_other, n_lanes = planning_load(n_other, n_lanes, target.n_lanes_active)
-    return n_other, n_lanes, n_other + target.n_room
+    from its last pass's), and the rows of a pass of at most cap it may plan for, the others'
+    and its share (shared.fair_room): its rows past that are priced as a pass of their own.
+    A context of its own (lane None): its last pass's, and all of cap."""
+    if lane is None:
+        return n_other, n_lanes, n_other + cap
+    n_other, n_lanes = planning_load(n_other, n_lanes, lane.n_active())
+    return n_other, n_lanes, n_other + lane.room(cap)
 
 
 def _judge_near_ties(d: Decoding, rows: list[np.ndarray], first_gap: Optional[float], n_past: int, r: _Round,
-                     n_generated: int) -> None:
+                     n_generated: int, done: Pass) -> None:
     """Record the accepted rows whose top two logits are within the tolerance: the only places
-    where plain decoding could have chosen another token (and the first row's, in round one)."""
+    where plain decoding could have chosen another token (and the first row's, in round one);
+    done: what the rows' pass held."""
     if first_gap is not None:
         _judge_first_row(first_gap, d.limits.tolerance(n_past, 1), d.stats)
     if not d.sampling.greedy or (d.proposer is None and d.limits.reuse is None and d.limits.shared is None):
         return
     # the rows' pass: the round's own rows, or more where other lanes' rows rode with them
-    n_rows = max(r.n_pending + len(r.proposal.tokens) + 1, d.target.n_batch_rows)
+    n_rows = max(r.n_pending + len(r.proposal.tokens) + 1, done.n_rows)
     tolerance = d.limits.tolerance(n_past - r.n_pending, n_rows)
     if math.isnan(tolerance):  # this level measured nothing, so nothing can be judged
         d.stats.near_ties = None
@@ -242,18 +249,20 @@ def _judge_first_row(gap: float, tolerance: float, stats: Stats) -> None:
         stats.near_tie_positions.insert(0, 0)
 
 
-def _verify_pass(d: Decoding, newest: int, proposal: Proposal, n_past: int) -> Optional[np.ndarray]:
+def _verify_pass(d: Decoding, newest: int, proposal: Proposal, n_past: int,
+                 cap: int) -> tuple[Pass, Optional[np.ndarray]]:
     """One target pass over [newest, x_1..x_k], logits for every row (a tree: each branch a
-    sequence of its own, so no branch sees another). Where the round's verify limit is assumed
-    and not checked yet (fidelity.Limits.wants_check), a copy of the first row, for
+    sequence of its own, so no branch sees another), in a pass of at most cap rows (a lane:
+    other lanes' rows may ride in it). What the pass held, and where the round's verify limit
+    is assumed and not checked yet (fidelity.Limits.wants_check), a copy of the first row, for
     _check_assumed; else None."""
     target = d.target
     if proposal.tree is None:
-        target.decode([newest, *proposal.tokens], n_logits=len(proposal.tokens) + 1)
+        done = target.decode([newest, *proposal.tokens], n_logits=len(proposal.tokens) + 1, cap=cap)
     else:
-        target.decode_tree(newest, proposal.tokens, proposal.tree)
+        done = target.decode_tree(newest, proposal.tokens, proposal.tree, cap)
     checking = proposal.tokens and d.limits.shared is None and d.limits.wants_check(n_past)
-    return target.logits(0).copy() if checking else None
+    return done, target.logits(0).copy() if checking else None
 
 
 def _check_assumed(d: Decoding, row0: np.ndarray, newest: int, n_past: int, accepted: list[int]) -> None:

@@ -250,17 +250,18 @@ class SpecLlama(LlamaApi, BatchApi):
         finish = "cancelled"
         lane = self.sharing is not None and self.sharing.admits(req.level, req.seeded)
         with self.pool.generation(req.prompt, self._check_open, lane, req.cache_scope) as slot:
-            proposer, policy = self.planner.plan(req, slot.draft_cache, slot.draft)
-            learned_before = self.planner.learned_so_far(policy)
+            with self._models:  # the planner's figures are shared by every generation's rounds
+                proposer, policy = self.planner.plan(req, slot.draft_cache, slot.draft)
+                learned_before = self.planner.learned_so_far(policy)
             t_start = time.perf_counter()
             stats = Stats(n_prompt=len(req.prompt), n_draft_max=policy.limit if proposer is not None else 0,
                           fidelity=str(req.level), rollback=self.target.rollback,
                           draft_source="mtp" if self.mtp else "model" if self.draft is not None else "")
             n_replayed = slot.target.n_replayed
             outcome.stats = stats
-            limits = Limits(req.level, self.batch_diffs,
-                            shared=self.sharing.diff if slot.lane and self.sharing is not None else None)
-            slot.target.batch_cap = 1  # the prefill's chunks: alone; the rounds set their own
+            sharing = self.sharing if slot.lane else None
+            in_lane = None if sharing is None else sharing.context.load(slot.index)
+            limits = Limits(req.level, self.batch_diffs, shared=None if sharing is None else sharing.diff)
             steps: Optional[Generator[Any, None, None]] = None
             detokenizer, matcher = Detokenizer(), StopMatcher(req.stop)
             try:
@@ -268,7 +269,7 @@ class SpecLlama(LlamaApi, BatchApi):
                     limits.reuse = self.reuse_diffs  # rows carry the difference of reuse into the tolerance
                 steps = generate_steps(Decoding(slot.target, proposer, policy, req.sampling,
                                                 np.random.default_rng(req.seed), limits, stats, req.constraint,
-                                                req.n_logprobs), req.prompt)
+                                                req.n_logprobs, in_lane), req.prompt)
                 finish = "length"  # running out of context also ends here, and an error mid-way
                 finish = yield from self._emit(in_turns(steps, self._models), req, outcome, tokens, texts, detokenizer,
                                                matcher)
@@ -282,10 +283,10 @@ class SpecLlama(LlamaApi, BatchApi):
                 finish_stats(stats, req, tokens, finish, matcher.stopped, limits, policy, t_start,
                              slot.target.n_replayed - n_replayed, self.target, self.draft)
                 stats.slot = slot.index
-                self.planner.account(stats, req, policy, learned_before)
-                outcome.result = Result("".join(texts), tokens, finish, stats, matcher.matched)
-                with self._models:  # the planner's figures are shared by every generation's rounds
+                with self._models:  # as above
+                    self.planner.account(stats, req, policy, learned_before)
                     self.planner.after(policy, req.cache_scope, on_first_slot=slot.index == 0 and not slot.lane)
+                outcome.result = Result("".join(texts), tokens, finish, stats, matcher.matched)
 
     def _emit(self, steps: Iterator[Any], req: Request, outcome: Outcome, tokens: list[int], texts: list[str],
               detokenizer: Detokenizer, matcher: StopMatcher) -> Generator[Chunk, None, str]:

@@ -60,6 +60,7 @@ class _Process:
 
     def __init__(self) -> None:
         self._cv = threading.Condition()
+        # guarded by _cv: the two below (one per process, whatever object or thread asks)
         self._n_active = 0  # loads and generations running or waiting
         self._idle = False  # one object's idle work is running
 
@@ -111,7 +112,7 @@ class Preempted(Interrupted):
 
 
 class _Yield:
-    """runtime.between_chunks while idle work decodes (runtime/protocols.Beside): pieces, as if
+    """Whom a runtime passes the turn to while idle work decodes (runtime/protocols.Beside): pieces, as if
     others generated, and stop() looked at between them."""
 
     def __init__(self, stop: Callable[[], bool]):
@@ -132,15 +133,8 @@ def in_pieces(runtime: Any, n_piece: int, stop: Callable[[], bool]) -> Iterator[
     between them: a request that arrives meanwhile waits a piece (about runtime/batches.PIECE_SECONDS),
     not a chunk (2.4 s for the 0.5B draft's 512 rows on 2 cores). The pieces decoded before a stop
     stay: the work goes on from there."""
-    if not hasattr(runtime, "between_chunks"):  # a context not decoded by runtime/core.py
+    with runtime.passing_turns(_Yield(stop), n_piece):
         yield
-        return
-    saved = runtime.between_chunks, runtime.n_piece
-    runtime.between_chunks, runtime.n_piece = _Yield(stop), n_piece
-    try:
-        yield
-    finally:
-        runtime.between_chunks, runtime.n_piece = saved
 
 
 @dataclass
@@ -186,8 +180,9 @@ class IdleWork:
                  n_threads: Optional[int] = None):
         self._models, self._wanted, self._n_threads = models, wanted, n_threads
         self.cores_taken = False  # other processes held the cores at the last look (the log line says so once)
-        self._tasks: dict[str, Task] = {}
         self._cv = threading.Condition()
+        # guarded by _cv: the three below; a task itself runs in the models' turn (self._models)
+        self._tasks: dict[str, Task] = {}
         self._closed = False
         self._last_busy = time.monotonic()
         self.done: list[str] = []  # what ran, in order (what doctor and tests read)

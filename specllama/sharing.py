@@ -91,7 +91,8 @@ class Sharing:
         self.context, self.diff = context, diff
         # the draft's steps of all lanes in one pass too (what it proposes, never what is accepted,
         # depends on its rows)
-        self.draft_context = SharedContext(first.draft, context.n_lanes) if first.draft is not None else None
+        self.draft_context = (SharedContext(first.draft, context.n_lanes, any_pass=True) if first.draft is not None
+                              else None)
         try:
             target, draft = self.context.lane(0), self._draft_lane(0)
             lane0 = Slot(0, target, draft, PromptCache(target, budget, owner=first.target_cache),
@@ -113,9 +114,7 @@ class Sharing:
     def _draft_lane(self, index: int) -> Any:
         if self.draft_context is None:
             return None
-        draft = self.draft_context.lane(index)
-        draft.batch_cap = self.draft_context.n_batch  # its rows decide proposals only: any pass
-        return draft
+        return self.draft_context.lane(index)
 
     def admits(self, level: Level, seeded: bool) -> bool:
         """Whether a request at level may decode in a lane: its level allows the difference a

@@ -24,7 +24,7 @@ import threading
 import weakref
 from collections import deque
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -49,6 +49,7 @@ class Turns:
 
     def __init__(self) -> None:
         self._cv = threading.Condition()
+        # guarded by _cv: the three below
         self._holder: Optional[int] = None  # the thread holding the turn
         self._queue: deque[object] = deque()
         self._lost: set[int] = set()  # threads whose pass_turn() was interrupted before taking it back
@@ -146,14 +147,17 @@ class Slot:
         n_keep = min(common_prefix(cached, prompt), len(prompt) - 1) if self.target_cache.scope == scope else 0
         return n_keep < len(cached) - n_keep < MIN_SAVE
 
-    def between_chunks(self, beside: Optional[Beside], n_piece: Callable[[Any], int] = lambda runtime: 0) -> None:
-        """The other generations this slot's runtimes pass the turn to between the chunks of a
-        long decode (None: none), and the rows their chunks go in pieces of while others generate
-        (n_piece(runtime); 0: whole chunks); set only while a generation owns the slot, as nothing
-        else decodes in it then."""
-        for runtime in (self.target, self.draft):
-            if runtime is not None and hasattr(runtime, "between_chunks") and hasattr(runtime, "n_piece"):
-                runtime.between_chunks, runtime.n_piece = beside, n_piece(runtime) if beside is not None else 0
+    @contextmanager
+    def passing_turns(self, beside: Beside, n_piece: Callable[[Any], int]) -> Iterator[None]:
+        """Within (while a generation owns the slot, as nothing else decodes in it then): the
+        other generations this slot's runtimes pass the turn to between the chunks of a long
+        decode, and the rows their chunks go in pieces of while others generate (n_piece(runtime);
+        0: whole chunks)."""
+        with ExitStack() as stack:
+            for runtime in (self.target, self.draft):
+                if runtime is not None:
+                    stack.enter_context(runtime.passing_turns(beside, n_piece(runtime)))
+            yield
 
     def close(self) -> None:
         for runtime in (self.draft, self.target):
@@ -254,9 +258,10 @@ class Pool:
         self.turn = Turns()
         # rows a model's prefill chunks go in pieces of beside others (by identity; measured bitwise
         # by the piece probe, concurrency_probes.py); unmeasured models prefill whole chunks
-        self.pieces: dict[str, int] = {}
+        self.pieces: dict[str, int] = {}  # guarded by turn: written by idle work's probe, read by decodes
         self._cv = threading.Condition()
         self.streams: weakref.WeakSet[Any] = weakref.WeakSet()  # open ones: dropped ones close as they go
+        # guarded by _cv: the three below, and which slot a generation owns (Slot.owner)
         self.n_generating = 0  # generations holding or waiting for a slot
         self._n_growing = 0  # slots being made
         self._exclusive = False
@@ -289,12 +294,11 @@ class Pool:
                 while slot is None:  # a new slot, made in the models' turn
                     slot = self._grow(group, me, prompt, check_open, scope)
                 check_open()  # closed while it waited to start
-                slot.between_chunks(self, self.n_piece)
-                yield slot
+                with slot.passing_turns(self, self.n_piece):
+                    yield slot
         finally:
             with self._cv:
                 if slot is not None:
-                    slot.between_chunks(None)
                     slot.owner = None
                 self.n_generating -= 1
                 self._cv.notify_all()

@@ -207,11 +207,12 @@ def test_lanes_plan_for_their_share_of_the_pass(lanes, prompts, monkeypatch):
     """Two requests at once, through real llama.cpp: each lane's rounds are planned with the
     rows of its pass it may fill being its share (cap // the lanes generating, and the shares of
     lanes decoding plainly), not all the room the other lane's last batch left: two lanes
-    planning for that room overflowed the pass."""
+    planning for that room overflowed the pass. Each round is priced from what its verify pass
+    held (the Pass its decode returned), other lanes' rows included."""
     import specllama.decode as decode
 
-    shares, planned = [], []
-    room, outcome_of = SharedContext.room, decode.RoundOutcome
+    shares, planned, passes = [], [], []
+    room, outcome_of, record = SharedContext.room, decode.RoundOutcome, decode._record
 
     def spy_room(self, base, cap):
         n = room(self, base, cap)
@@ -223,9 +224,16 @@ def test_lanes_plan_for_their_share_of_the_pass(lanes, prompts, monkeypatch):
         planned.append(outcome.n_cap - outcome.n_other)
         return outcome
 
+    def spy_record(d, r, path, new, times, done, cap):
+        passes.append((r.n_pending + len(r.proposal.tokens) + 1, done, cap))
+        return record(d, r, path, new, times, done, cap)
+
     monkeypatch.setattr(SharedContext, "room", spy_room)
     monkeypatch.setattr(decode, "RoundOutcome", spy_outcome)
+    monkeypatch.setattr(decode, "_record", spy_record)
     at_once(lanes, prompts[:2], max_tokens=24)
+    assert all(n_own <= done.n_rows <= max(cap, n_own) and done.n_lanes in (1, 2) for n_own, done, cap in passes)
+    assert any(done.n_lanes == 2 and done.n_rows > n_own for n_own, done, _ in passes), passes  # the other's rows too
     assert any(n_active == 2 for _, n_active, _ in shares)
     for cap, n_active, n in shares:  # a lane alone: the cap; else its share and the plain lanes'
         assert n == cap if n_active == 1 else max(1, cap // n_active) <= n <= cap - (n_active - 1)

@@ -17,7 +17,7 @@ import specllama
 from conftest import SERVER_KEY, SETTINGS
 from prompts import LONG_STORY
 from specllama.concurrency_probes import probe_piece_diff
-from specllama.runtime import core
+from specllama.runtime import batches
 from specllama.runtime.batches import N_PIECE
 from specllama.slots import Turns
 
@@ -174,7 +174,7 @@ def test_a_long_prompt_beside_a_stream_is_prefilled_in_pieces_between_its_rounds
     the stream moves on many times during the prefill, not once a chunk; and the prompt computes
     what a prefill alone does, logprobs bit for bit. The small model: the turns are the same
     whatever the model."""
-    monkeypatch.setattr(core, "PIECE_SECONDS", 0.0)
+    monkeypatch.setattr(batches, "PIECE_SECONDS", 0.0)
     settings = dict(SETTINGS, exact="bitwise")
     with specllama.load(model_paths["smollm2"], **settings) as alone, \
             specllama.load(model_paths["smollm2"], **settings) as llm:

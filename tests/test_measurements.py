@@ -169,10 +169,10 @@ def test_the_draft_catches_up_in_pieces_a_request_stops_between(model_paths, hom
     answer waited up to 2 s for it): the pieces decoded stay, the next idle moment goes on from
     there, and the draft ends holding what whole chunks compute, bit for bit. With one slot too:
     only the draft's pieces are probed then (the target's matter beside other requests)."""
-    from specllama.runtime import core
+    from specllama.runtime import batches
     from specllama.runtime.batches import N_PIECE
 
-    monkeypatch.setattr(core, "PIECE_SECONDS", 0.0)  # the smallest pieces, on any machine
+    monkeypatch.setattr(batches, "PIECE_SECONDS", 0.0)  # the smallest pieces, on any machine
     with load(model_paths, idle_work=False, n_parallel=1) as llm:  # one slot: the draft's pieces alone matter
         draft = llm.draft
         probes = [key for key in llm.idle._tasks if key.startswith("pieces|")]

@@ -14,7 +14,7 @@ from specllama import prompt_cache
 from specllama.prompt_cache import Budget, reusable
 from specllama.concurrency_probes import piece_bounds
 from specllama.runtime import PrefillRow, chunk_bounds
-from specllama.runtime.batches import piece_end
+from specllama.runtime.batches import next_batch_end, piece_end
 
 from conftest import SETTINGS
 from prompts import LONG_CODE
@@ -74,6 +74,30 @@ def test_pieces_of_a_chunk():
         assert sum(sizes) == chunk_end and all(n % n_piece == 0 for n in sizes[:-1])
         assert sizes[-1] >= n_piece or len(sizes) == 1
     assert piece_bounds(512, 653) == [(0, 64), (64, 192), (192, 448), (448, 512), (512, 576), (576, 653)]
+
+
+class _Others:
+    def __init__(self, n: int):
+        self.n, self.passed = n, 0
+
+    def n_others(self) -> int:
+        return self.n
+
+    def pass_turn(self) -> None:
+        self.passed += 1
+
+
+def test_a_decode_passes_the_turn_between_batches_and_goes_in_pieces_only_while_others_wait():
+    """Pure: a decode no one waits beside runs whole chunks; one passing turns lets the others
+    go before each batch past its first, and cuts pieces only while others generate and its
+    logits fit in a piece (a verify's rows stay in one pass)."""
+    assert next_batch_end(None, 0, 512, 1, 0.01) == 512
+    others = _Others(2)
+    assert next_batch_end((others, 64), 0, 512, 1, 0.5 / 100) == 64 and others.passed == 0  # 100 rows a piece
+    assert next_batch_end((others, 64), 64, 512, 1, 0.5 / 100) == 128 and others.passed == 1
+    assert next_batch_end((others, 64), 64, 512, 100, 0.5 / 100) == 512  # its logits span pieces: whole
+    assert next_batch_end((_Others(0), 64), 0, 512, 1, 0.01) == 512  # no one else: whole
+    assert next_batch_end((others, 0), 0, 512, 1, 0.01) == 512  # pieces unmeasured: whole
 
 
 def test_reusable_prefixes():

@@ -5,8 +5,12 @@ Pure functions (no llama.cpp), tested directly."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Optional
 
 from ..tree import Tree
+
+if TYPE_CHECKING:
+    from .protocols import Beside
 
 KV_PAD = 256  # llama.cpp pads the KV length it attends over to a multiple of 256 (get_n_kv)
 # a prefill beside other requests' rounds goes in pieces of multiples of this many rows: on our
@@ -20,7 +24,7 @@ PIECE_SECONDS = 0.5
 
 
 class Interrupted(Exception):
-    """Raised by a decode's between_chunks.pass_turn to end the decode between two of its batches
+    """Raised by a decode's passing_turns beside (its pass_turn) to end the decode between two of its batches
     (idle work a request wants the models from): unlike any other failure, the batches decoded
     before it stay in the cache, so the work goes on from there later."""
 
@@ -52,6 +56,22 @@ def piece_end(at: int, chunk_end: int, n_want: int, n_piece: int) -> int:
         return chunk_end
     end = at + max(1, n_want // n_piece) * n_piece
     return chunk_end if chunk_end - end < n_piece else end
+
+
+def next_batch_end(beside: Optional[tuple["Beside", int]], start: int, chunk_end: int, n_logits: int,
+                   t_row: float) -> int:
+    """Where a decode's next batch from start (in a chunk ending at chunk_end) ends, where it
+    passes the turn to beside between batches (Runtime.passing_turns: who, and n_piece). Past
+    the first batch, the others go first; while others generate, a piece of multiples of
+    n_piece rows taking about PIECE_SECONDS (t_row: the last batch's seconds a row), so a long
+    prefill holds them up a piece at a time, not a chunk: the same rows either way."""
+    if beside is None:
+        return chunk_end
+    others, n_piece = beside
+    if start:
+        others.pass_turn()
+    n_piece = n_piece if n_logits <= n_piece and others.n_others() else 0
+    return piece_end(start, chunk_end, int(PIECE_SECONDS / t_row) if t_row else 0, n_piece)
 
 
 @dataclass(frozen=True)

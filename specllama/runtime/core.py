@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Sequence
-from contextlib import ExitStack
+from collections.abc import Iterator, Sequence
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional, Union
@@ -20,55 +20,34 @@ import numpy as np
 
 from ..errors import ContextFullError, DecodeError, InvalidParameterError
 from . import session
-from .batches import PIECE_SECONDS, Interrupted, chunk_bounds, piece_end
+from .batches import Interrupted, chunk_bounds, next_batch_end
 from .decoder import check_status, llama_decode
 from .ggml import MemoryUse
 from .handles import Batch, Handle
 from .loading import borrow_runtime, load_runtime, sibling_runtime, why_no_sibling
 from .memory import memory_of
-from .protocols import Beside, Progress
+from .protocols import Beside, Pass, Progress
+from .shared import Lane
 from .settings import ModelSettings
 from .state import PrefillRow, SavedState, restore_sequence, save_sequence
 from .trees import TreeDecode, TreeDecoding
 from .vocab import Vocab
 
 
-@dataclass(frozen=True)
-class Lane:
-    """Where a Runtime decodes in a shared context: its first sequence, its share of the cells,
-    and the context that decodes its batches (shared.SharedContext)."""
-
-    shared: Any
-    base: int
-    n_ctx: int
-
-
-def _next_batch(runtime: "Runtime", start: int, chunk_end: int, n_logits: int, t_row: float) -> int:
-    """Where a decode's next batch from start (in a chunk ending at chunk_end) ends. Past the
-    first, the other requests' rounds go first; while others generate, a piece of
-    multiples of n_piece rows taking about PIECE_SECONDS (t_row: the last batch's seconds a row),
-    so a long prefill holds them up a piece at a time, not a chunk: the same rows either way."""
-    beside = runtime.between_chunks
-    if beside is None:
-        return chunk_end
-    if start:
-        beside.pass_turn()
-    n_piece = runtime.n_piece if n_logits <= runtime.n_piece and beside.n_others() else 0
-    return piece_end(start, chunk_end, int(PIECE_SECONDS / t_row) if t_row else 0, n_piece)
-
-
 def _decode_batches(runtime: "Runtime", tokens: Sequence[int], n_past: int, n_logits: int, aligned: bool,
-                    progress: Optional[Progress]) -> int:
-    """Runtime.decode's batches: tokens at n_past.. in chunks (pieces where _next_batch cuts
+                    progress: Optional[Progress], cap: int) -> tuple[int, Pass]:
+    """Runtime.decode's batches: tokens at n_past.. in chunks (pieces where next_batch_end cuts
     them), each appended to runtime.cached once decoded (and told to progress); the first
-    logit row the last one kept."""
+    logit row the last one kept, and the last pass (what every pass waited, summed)."""
     t_row, first = 0.0, 0  # seconds a row of the last piece took
+    last, t_waited = Pass(0), 0.0
     for start, chunk_end in chunk_bounds(n_past, len(tokens), runtime.n_batch, aligned):
         while start < chunk_end:
-            end, t0 = _next_batch(runtime, start, chunk_end, n_logits, t_row), time.perf_counter()
+            end, t0 = next_batch_end(runtime._beside, start, chunk_end, n_logits, t_row), time.perf_counter()
             # logits are only kept for the final piece; all requested rows must be in it
             runtime._batch.fill(tokens[start:end], n_past + start, max(0, n_logits - (len(tokens) - end)))
-            runtime._pass(n_past + start, end - start)
+            last = runtime._pass(n_past + start, end - start, cap)
+            t_waited += last.t_waited
             t_row, first = (time.perf_counter() - t0) / (end - start), end - start - n_logits
             runtime.cached.extend(tokens[start:end])
             runtime._memory.after_decode(n_past + start, n_past + end)
@@ -77,7 +56,7 @@ def _decode_batches(runtime: "Runtime", tokens: Sequence[int], n_past: int, n_lo
             start = end
             if progress is not None:
                 progress(len(runtime.cached))
-    return first
+    return first, Pass(last.n_rows, last.n_lanes, t_waited)
 
 
 @dataclass
@@ -119,9 +98,7 @@ class Runtime(Vocab, TreeDecoding):
         self.n_branches = min(n_seq, int(llama_cpp.llama_n_seq_max(ctx.ptr))) if self.memory == "attention" else 1
         self._batch = Batch(self.n_batch, stack, self.n_branches)
         self._batch.base = 0 if lane is None else lane.base
-        self.batch_cap = 1  # a lane: the most rows its next pass may hold, others' included (set per round)
-        self.n_batch_rows, self.n_batch_lanes = 0, 1  # rows and lanes of the pass of the last decode's rows
-        self.t_waited = self.t_waited_total = 0.0  # what the last decode (all, summed) waited for other lanes
+        self.t_waited_total = 0.0  # what its decodes waited for other lanes, and their rows' share of passes
         self._rows = _Rows()
         self._tree: Optional[TreeDecode] = None  # a decoded tree, until one path of it is kept
         self._n_pending = 0  # the last cached tokens, not in the KV cache yet (see _settle)
@@ -138,10 +115,10 @@ class Runtime(Vocab, TreeDecoding):
         self.settings: Optional[ModelSettings] = None  # what load() made the context with (None: borrowed)
         self.path: Optional[Path] = None  # the GGUF file load() read (None: borrowed)
         self.n_seq = n_seq
-        # the other requests' turn, passed between the chunks of a long decode (_next_batch), and
-        # the rows its chunks go in pieces of while they wait (0: whole), where measured bitwise
-        self.between_chunks: Optional[Beside] = None
-        self.n_piece = 0
+        # whom its long decodes pass the turn to between batches (batches.next_batch_end), and the
+        # rows of the pieces they go in while others wait (0: whole chunks), where measured
+        # bitwise; set only inside passing_turns, by the thread that owns the runtime then
+        self._beside: Optional[tuple[Beside, int]] = None
         self._memory.clear()
 
     @classmethod
@@ -209,15 +186,17 @@ class Runtime(Vocab, TreeDecoding):
     # --- decoding -----------------------------------------------------------------------------
 
     def decode(self, tokens: Sequence[int], *, n_logits: int = 1, aligned: bool = False,
-               progress: Optional[Progress] = None) -> None:
+               progress: Optional[Progress] = None, cap: Optional[int] = None) -> Pass:
         """Append tokens to the KV cache at positions len(cached)..; keep logits for the last n_logits.
+        What the last pass held comes back (protocols.Pass; a lane's passes hold at most cap
+        rows, other lanes' included: None, its lane's default_cap).
 
         Tokens go to llama.cpp in chunks of at most n_batch; aligned chunks end at multiples of
         n_batch (position 0 being the first), as a prefill from an empty cache does.
         Raises ContextFullError (nothing appended) when they do not fit; on any failure or
         interruption the cache is rolled back to where it was (a recurrent memory with no
         checkpoint there: to an earlier point, as discard() does), except Interrupted (raised by
-        between_chunks: idle work stopped between two batches), after which the batches decoded stay.
+        passing_turns: idle work stopped between two batches), after which the batches decoded stay.
         """
         self._settle()
         if not tokens:
@@ -234,34 +213,50 @@ class Runtime(Vocab, TreeDecoding):
         self._rows.clear()
         self._memory.before_decode(n_past, len(tokens))
         try:
-            self._rows.n, self._rows.first = n_logits, _decode_batches(self, tokens, n_past, n_logits, aligned,
-                                                                       progress)
+            self._rows.first, last = _decode_batches(self, tokens, n_past, n_logits, aligned, progress,
+                                                     self._cap(cap))
+            self._rows.n = n_logits
         except BaseException as e:
             self._rows.clear()
             if not isinstance(e, Interrupted):  # stopped between two batches: those decoded stay
                 self.discard(n_past)
             raise
+        return last
 
-    def _pass(self, pos: int, n_tokens: int) -> None:
+    def _cap(self, cap: Optional[int]) -> int:
+        """The most rows a pass holding this decode's rows may have (a context of its own: its own rows)."""
+        if self._lane is None:
+            return self.n_batch
+        return self._lane.default_cap if cap is None else cap
+
+    def _pass(self, pos: int, n_tokens: int, cap: int) -> Pass:
         """llama_decode the filled batch (a lane: through its shared context, maybe beside other
-        lanes' rows, which keeps copies of this batch's rows)."""
+        lanes' rows up to cap rows in all, which keeps copies of this batch's rows)."""
         if self._lane is None:
             check_status(*llama_decode(self._ctx.ptr, self._batch.c), self.name, pos, n_tokens)
-            self.n_batch_rows, self.n_batch_lanes, self.t_waited = n_tokens, 1, 0.0
-            return
-        job = self._lane.shared.decode(self._batch, self.batch_cap, self._lane.base)
-        self._rows.copied, self.n_batch_rows, self.n_batch_lanes = job.rows, job.n_rows, job.n_lanes
+            return Pass(n_tokens)
+        job = self._lane.shared.decode(self._batch, cap, self._lane.base)
+        self._rows.copied = job.rows
         # the total also leaves out the other lanes' rows' share of the pass (shared._Job.for_others)
-        self.t_waited, self.t_waited_total = job.waited, self.t_waited_total + job.waited + job.for_others(n_tokens)
+        self.t_waited_total += job.waited + job.for_others(n_tokens)
         check_status(job.status, job.why, self.name, pos, n_tokens)
+        return Pass(job.n_rows, job.n_lanes, job.waited)
+
+    @contextmanager
+    def passing_turns(self, beside: Optional[Beside], n_piece: int = 0) -> Iterator[None]:
+        """Within: its long decodes pass the turn to beside (other generations, or idle work's
+        stop) between batches, in pieces of multiples of n_piece rows while others wait (0:
+        whole chunks); None: no one. What was set before holds again after."""
+        saved, self._beside = self._beside, None if beside is None else (beside, n_piece)
+        try:
+            yield
+        finally:
+            self._beside = saved
 
     @property
-    def n_lanes_active(self) -> int:  # lanes generating in its shared context now (1: its own)
-        return 1 if self._lane is None else max(1, self._lane.shared.n_active())
-
-    @property
-    def n_room(self) -> int:  # of batch_cap, the rows its next batch may plan for (a lane: its share)
-        return self.batch_cap if self._lane is None else self._lane.shared.room(self._lane.base, self.batch_cap)
+    def lane(self) -> Optional[Lane]:
+        """Where it decodes in a shared context (None: a context of its own)."""
+        return self._lane
 
     def logits(self, row: int) -> np.ndarray:
         """Zero-copy view of logit row `row` (0-based among the rows the last decode kept).

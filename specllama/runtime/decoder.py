@@ -57,6 +57,7 @@ class DecodeThread:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._cv = threading.Condition(self._lock)
+        # guarded by _cv (its _lock): the four below
         self._calls: list[_Call] = []
         self._ident: Optional[int] = None  # the running thread's (None: none runs)
         self._pid: Optional[int] = None  # a forked child has no thread: it starts its own

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import ctypes
 from collections.abc import Sequence
-from contextlib import ExitStack
+from contextlib import AbstractContextManager, ExitStack, nullcontext
 from typing import Any, Optional, Protocol
 
 import llama_cpp
@@ -14,7 +14,7 @@ from ..errors import ContextFullError, DecodeError, InvalidParameterError
 from .decoder import check_status, llama_decode
 from .ggml import MemoryUse
 from .handles import Handle, new_context
-from .protocols import SlotUnavailable
+from .protocols import Beside, SlotUnavailable
 from .settings import ModelSettings
 
 class MtpTarget(Protocol):
@@ -169,6 +169,9 @@ class MtpHead:
     @property
     def why_no_sibling(self) -> str:
         return "the target's MTP layers follow one target context"
+
+    def passing_turns(self, beside: Optional[Beside], n_piece: int = 0) -> AbstractContextManager[None]:
+        return nullcontext()  # a draft step decodes a few tokens: nothing to pass the turn between
 
     def sibling(self) -> "MtpHead":
         raise SlotUnavailable(self.why_no_sibling)

@@ -4,6 +4,8 @@ implementation says what it provides (Runtime, RemoteRuntime, MtpHead)."""
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional, Protocol, Union
 
@@ -21,6 +23,25 @@ class SlotUnavailable(Exception):
 
 Progress = Callable[[int], None]
 """Told, after each batch of a prefill, how many of the prompt's tokens the cache holds now."""
+
+
+@dataclass(frozen=True)
+class Pass:
+    """What a decode's last llama.cpp pass held and what the decode waited for: a lane's rows
+    may ride in one pass with other lanes' (runtime/shared.py), and a round is priced from its
+    pass (decode.py), not from its own rows alone."""
+
+    n_rows: int  # rows in the pass that computed the decode's last rows, other lanes' included
+    n_lanes: int = 1  # lanes whose rows were in that pass (1: a context of its own)
+    t_waited: float = 0.0  # of the decode's time, seconds it waited for other lanes' rounds
+
+
+class LaneLoad(Protocol):
+    """A lane of a shared context as the loop plans a round on it (runtime/core.py: Lane)."""
+
+    def n_active(self) -> int: ...  # lanes generating in its shared context now, its own included
+
+    def room(self, cap: int) -> int: ...  # of a pass of at most cap rows, the rows its next batch may plan for
 
 
 class Beside(Protocol):
@@ -58,6 +79,9 @@ class Drafter(Protocol):
     def why_no_sibling(self) -> str: ...  # why sibling() cannot make a second context here ("" where it can)
 
     def sibling(self) -> "Drafter": ...  # another context on the same weights, for a request beside this one
+
+    # within: its long decodes pass the turn to beside between batches, in pieces of n_piece rows
+    def passing_turns(self, beside: Optional[Beside], n_piece: int = 0) -> AbstractContextManager[None]: ...
 
     def close(self) -> None: ...
 
@@ -120,10 +144,6 @@ class Model(Vocabulary, Protocol):
     prefill_row: Optional[PrefillRow]
     mtp_head: Any
     follows_target: bool
-    batch_cap: int  # a lane: the most rows the pass computing its next rows may have
-    n_batch_rows: int  # rows in the pass that computed the last decode's rows
-    n_batch_lanes: int  # lanes whose rows were in that pass (1: a context of its own)
-    t_waited: float  # of the last decode's time, what it waited for other lanes' rounds
 
     @property
     def cached(self) -> list[int]: ...
@@ -141,21 +161,17 @@ class Model(Vocabulary, Protocol):
     def n_seq(self) -> int: ...  # sequences its context was made for
 
     @property
-    def n_lanes_active(self) -> int: ...  # lanes generating in its shared context now (1: its own)
-
-    @property
-    def n_room(self) -> int: ...  # of batch_cap, the rows its next batch may plan for (a lane: its share)
-
-    @property
     def n_threads(self) -> int: ...  # the CPU threads llama.cpp decodes with
 
     @property
     def n_pending(self) -> int: ...
 
+    # cap: for a lane, the most rows the pass holding these rows may have, other lanes' included
+    # (None: the lane's own default, alone for a target); a context of its own ignores it
     def decode(self, tokens: Sequence[int], *, n_logits: int = 1, aligned: bool = False,
-               progress: Optional[Progress] = None) -> None: ...
+               progress: Optional[Progress] = None, cap: Optional[int] = None) -> Pass: ...
 
-    def decode_tree(self, root: int, tokens: Sequence[int], tree: Tree) -> None: ...
+    def decode_tree(self, root: int, tokens: Sequence[int], tree: Tree, cap: Optional[int] = None) -> Pass: ...
 
     def logits(self, row: int) -> np.ndarray: ...
 
@@ -185,5 +201,8 @@ class Model(Vocabulary, Protocol):
     def why_no_sibling(self) -> str: ...  # why sibling() cannot make a second context here ("" where it can)
 
     def sibling(self) -> "Model": ...  # another context on the same weights: SlotUnavailable where it cannot
+
+    # within: its long decodes pass the turn to beside between batches, in pieces of n_piece rows
+    def passing_turns(self, beside: Optional[Beside], n_piece: int = 0) -> AbstractContextManager[None]: ...
 
     def close(self) -> None: ...

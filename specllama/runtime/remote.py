@@ -16,6 +16,7 @@ from __future__ import annotations
 import os
 import tempfile
 from collections.abc import Sequence
+from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 from typing import Any, Optional, Union
 
@@ -27,7 +28,7 @@ from ..tree import Tree
 from . import session
 from .ggml import MemoryUse
 from .host_link import Host
-from .protocols import Progress, SlotUnavailable
+from .protocols import Beside, Pass, Progress, SlotUnavailable
 from .settings import Device, ModelSettings
 from .state import PrefillRow, SavedState
 
@@ -48,13 +49,7 @@ class RemoteRuntime:
     path: Optional[Path] = None  # the GGUF file, once loaded
     mtp_note = "a model on RPC workers cannot load its MTP layers here"
     follows_target = False
-    batch_cap = 1  # one context in the host: no lanes
-    n_batch_rows = 0  # unknown: the round's own rows
-    n_batch_lanes = 1
-    t_waited = 0.0
-    t_waited_total = 0.0
-    n_lanes_active = 1
-    n_room = 1
+    t_waited_total = 0.0  # one context in the host: no lanes to wait for
 
     def __init__(self, settings: ModelSettings):
         self.settings = settings
@@ -118,6 +113,9 @@ class RemoteRuntime:
     def why_no_sibling(self) -> str:
         return f"{self.name} is hosted by another process (RPC), which serves one context"
 
+    def passing_turns(self, beside: Optional[Beside], n_piece: int = 0) -> AbstractContextManager[None]:
+        return nullcontext()  # the host decodes every batch in one call: nothing to pass the turn between
+
     def sibling(self) -> "RemoteRuntime":
         raise SlotUnavailable(self.why_no_sibling)
 
@@ -142,7 +140,7 @@ class RemoteRuntime:
     def pending_rows(self, n_max: int) -> int:
         return 0
 
-    def decode_tree(self, root: int, tokens: Sequence[int], tree: Tree) -> None:
+    def decode_tree(self, root: int, tokens: Sequence[int], tree: Tree, cap: Optional[int] = None) -> Pass:
         raise ValueError("a model on RPC workers verifies chains: n_branches is 1")
 
     def revisit(self) -> None:
@@ -160,9 +158,10 @@ class RemoteRuntime:
         self._n_rows, self._pinned = 1, row
 
     def decode(self, tokens: Sequence[int], *, n_logits: int = 1, aligned: bool = False,
-               progress: Optional[Progress] = None) -> None:
+               progress: Optional[Progress] = None, cap: Optional[int] = None) -> Pass:
         """As Runtime.decode; the rows land in the shared file (progress is told once, at the end:
-        the host decodes every batch in one call)."""
+        the host decodes every batch in one call, in a context of its own: cap does not apply,
+        and its last pass is taken to hold the decode's last n_batch tokens or fewer)."""
         n_past = len(self.cached)
         if not tokens:
             raise ValueError("decode needs at least one token")
@@ -178,6 +177,7 @@ class RemoteRuntime:
         self.cached.extend(tokens)
         if progress is not None:
             progress(len(self.cached))
+        return Pass(min(len(tokens), self.n_batch))
 
     def _ensure_rows(self, n_rows: int) -> int:
         if self._rows is None or self._rows.shape[0] < n_rows:

@@ -133,16 +133,40 @@ class Parking:
         self.contexts: list[SharedContext] = []
 
     def n_parked(self) -> int:
+        # (the turn held) each list is guarded by its context's _cv, and only the caller's is held:
+        # taking the other's too could deadlock against a thread doing the same the other way
+        # round. Every park and every flush happens with the models' turn held, as this read
+        # does, so the count is exact but for an interrupted lane withdrawing its batch (outside
+        # the turn), which only makes a grace wait shorter or longer.
         return sum(len(context._parked) for context in self.contexts)
+
+
+@dataclass(frozen=True)
+class Lane:
+    """Where a Runtime decodes in a shared context: its first sequence, its share of the cells,
+    the context that decodes its batches (shared.SharedContext), and the most rows a pass holding
+    its rows may have where a decode names none (its context's default_cap). It is also what
+    the loop plans a lane's rounds from (protocols.LaneLoad)."""
+
+    shared: Any
+    base: int
+    n_ctx: int
+    default_cap: int = 1
+
+    def n_active(self) -> int:
+        return max(1, self.shared.n_active())
+
+    def room(self, cap: int) -> int:
+        return int(self.shared.room(self.base, cap))
 
 
 class SharedContext:
     """One context of the target's model for n_lanes lanes of n_branches sequences each, with
-    n_ctx cells a lane (a unified KV buffer: a shared prefix is stored once per lane)."""
+    n_ctx cells a lane (a unified KV buffer: a shared prefix is stored once per lane). any_pass:
+    its lanes' decodes may ride in any pass (a draft's: its rows decide proposals only); else a
+    lane's decode is alone unless it names a cap (a target's verify pass)."""
 
-    def __init__(self, first: Any, n_lanes: int):
-        from .core import Lane
-
+    def __init__(self, first: Any, n_lanes: int, any_pass: bool = False):
         settings = first.settings
         self.name, self.n_lanes, self.n_branches = first.name, n_lanes, first.n_branches
         self._stack = ExitStack()
@@ -159,9 +183,9 @@ class SharedContext:
         self.n_vocab = first.n_vocab
         self.turn: Any = None  # the models' turn (slots.Turns); None: every batch decoded at once
         self._cv = threading.Condition()
-        self._parked: list[_Job] = []
-        self.lanes: list[Any] = []
-        self._lane_of = lambda base: Lane(self, base, settings.n_ctx)
+        self._parked: list[_Job] = []  # guarded by _cv, as _t_pass, the counts and _rows_of below
+        self.lanes: list[Any] = []  # guarded by the models' turn (a slot is made in it)
+        self._lane_of = lambda base: Lane(self, base, settings.n_ctx, self.n_batch if any_pass else 1)
         self.n_active: Callable[[], int] = lambda: 1  # lanes generating now (set by their slots)
         self.parking = Parking()
         self.parking.contexts.append(self)
@@ -195,6 +219,12 @@ class SharedContext:
             runtime.settings = first.settings
             self.lanes.append(runtime)
         return self.lanes[index]
+
+    def load(self, index: int) -> Lane:
+        """Lane index as a round plans on it (protocols.LaneLoad)."""
+        lane = self.lane(index).lane
+        assert lane is not None
+        return lane
 
     def close(self) -> None:
         """Free the lanes' batches, then the context (the model stays with its first runtime)."""

@@ -10,6 +10,7 @@ from typing import Any, Optional
 from ..errors import ContextFullError
 from ..tree import Tree
 from .batches import TreeBatch, kv_length
+from .protocols import Pass
 
 
 @dataclass(frozen=True)
@@ -37,13 +38,15 @@ class TreeDecoding:
     _memory: Any
     _batch: Any
 
-    _pass: Callable[[int, int], None]
-    decode: Callable[..., None]
+    _pass: Callable[[int, int, int], Pass]
+    _cap: Callable[[Optional[int]], int]
+    decode: Callable[..., Pass]
 
-    def decode_tree(self, root: int, tokens: Sequence[int], tree: Tree) -> None:
+    def decode_tree(self, root: int, tokens: Sequence[int], tree: Tree, cap: Optional[int] = None) -> Pass:
         """Decode root (after the cache) and a tree of tokens after it in one pass, keeping every
         row's logits: logits(0) is root's, logits(i + 1) tokens[i]'s. Until truncate() keeps one
-        path, cached holds root and the tokens in tree order."""
+        path, cached holds root and the tokens in tree order. What the pass held comes back (cap:
+        as Runtime.decode's)."""
         self._settle()
         if len(tokens) != len(tree):
             raise ValueError(f"{len(tokens)} tokens for a tree of {len(tree)} nodes")
@@ -66,7 +69,7 @@ class TreeDecoding:
                               [*range(n_kv, n_root + 1), *(n_root + tree.depth[i] for i in layout.order)],
                               [*([every] * (n_pre + 1)), *(layout.seqs[i] for i in layout.order)], n_pre)
         try:
-            self._pass(n_kv, n_pre + n)
+            done = self._pass(n_kv, n_pre + n, self._cap(cap))
         except BaseException:
             for seq in range(1, layout.n_seqs):
                 self._memory.remove(seq, -1)
@@ -78,6 +81,7 @@ class TreeDecoding:
         self._n_pending = 0
         self._tree = TreeDecode(n_root, tree, layout.n_seqs)
         self._rows.n, self._rows.of = n, layout.rows(n_pre)
+        return done
 
     def _settle(self, path: Optional[Sequence[int]] = None) -> None:
         """After a tree decode, keep the root and one path of nodes (None: the main branch) as
