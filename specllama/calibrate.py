@@ -274,13 +274,20 @@ def measure_reuse_diffs(target: Model, n_past: int, stop: Stop = never) -> float
 # --- costs ---------------------------------------------------------------------------------------
 
 VERIFY_SIZES = (1, 2, 3, 4, 5, 6, 8, 12, 16)
+# a size's timings go on past the asked repeats until they add up to this much (at most
+# MAX_REPEATS runs): a decode of a millisecond or two (a GPU's, a tiny model's) varies by its
+# own size with the OS's scheduling, and two runs of it made a curve whose batch of 2 timed
+# 1 ms against 2 ms for 1, which calibrate rightly refused as a busy machine's
+TIMED_FLOOR = 0.03
+MAX_REPEATS = 32
 
 
 def _time_decode(runtime: Union[Model, Drafter], n_context: int, tokens: list[int], n: int, repeats: int,
-                 stop: Stop = never, all_rows: bool = True) -> list[float]:
-    """Each of repeats decodes of n tokens (all rows kept, or the last) on n_context cached ones, in seconds."""
-    out = []
-    for _ in range(repeats):
+                 stop: Stop = never, all_rows: bool = True, floor: float = 0.0) -> list[float]:
+    """Each of repeats decodes of n tokens (all rows kept, or the last) on n_context cached ones,
+    in seconds, and more while they add up to less than floor (MAX_REPEATS in all)."""
+    out: list[float] = []
+    while len(out) < repeats or (sum(out) < floor and len(out) < MAX_REPEATS):
         check_stop(stop)
         runtime.truncate(n_context)
         t0 = time.perf_counter()
@@ -292,26 +299,35 @@ def _time_decode(runtime: Union[Model, Drafter], n_context: int, tokens: list[in
     return out
 
 
+def _one_token(runtime: Union[Model, Drafter], tokens: list[int], n_bursts: int, stop: Stop) -> list[float]:
+    """n_bursts timings of a one-token decode on STEP_CONTEXT cached tokens, each the fastest of a
+    burst of runs adding up to a third of TIMED_FLOOR (one run where a decode takes that long):
+    the evidence a busy machine shows in, comparable with the curve's fastest-of timings."""
+    return [min(_time_decode(runtime, STEP_CONTEXT, tokens, 1, 1, stop, floor=TIMED_FLOOR / 3))
+            for _ in range(n_bursts)]
+
+
 def measure_costs(target: Model, draft: Optional[Drafter], max_verify: int = MAX_VERIFY, repeats: int = 2,
                   stop: Stop = never) -> tuple[Costs, dict]:
     """Time the target's decode of n = 1..max_verify tokens and the draft's single-token decode:
     (the costs, the evidence: one-token decodes and draft steps repeated at the start, middle
-    and end, so a busy moment shows as disagreement). Each size takes the fastest of repeats
-    runs (the least disturbed). Clears both caches."""
+    and end, so a busy moment shows as disagreement: _one_token). Each size takes the fastest of
+    repeats runs, or more where they add up to under TIMED_FLOOR (the least disturbed). Clears
+    both caches."""
     tokens = probe_tokens(target, STEP_CONTEXT + max_verify)
     context, probe = tokens[:STEP_CONTEXT], tokens[STEP_CONTEXT:STEP_CONTEXT + max_verify]
     try:
         target.truncate(0)
         target.decode(context)
         _time_decode(target, STEP_CONTEXT, probe, 1, 1, stop)  # warm-up
-        v1_repeats = _time_decode(target, STEP_CONTEXT, probe, 1, 3, stop)
+        v1_repeats = _one_token(target, probe, 3, stop)
         sizes = [n for n in VERIFY_SIZES if n <= max_verify]
         measured = {}
         for i, n in enumerate(sizes):
-            measured[n] = min(_time_decode(target, STEP_CONTEXT, probe, n, repeats, stop))
+            measured[n] = min(_time_decode(target, STEP_CONTEXT, probe, n, repeats, stop, floor=TIMED_FLOOR))
             if i == len(sizes) // 2:
-                v1_repeats += _time_decode(target, STEP_CONTEXT, probe, 1, 1, stop)
-        v1_repeats += _time_decode(target, STEP_CONTEXT, probe, 1, 1, stop)
+                v1_repeats += _one_token(target, probe, 1, stop)
+        v1_repeats += _one_token(target, probe, 1, stop)
         verify = tuple(float(np.interp(n, sizes, [measured[s] for s in sizes])) for n in range(1, max_verify + 1))
     finally:
         target.truncate(0)
@@ -321,7 +337,7 @@ def measure_costs(target: Model, draft: Optional[Drafter], max_verify: int = MAX
         try:
             draft_batch = (len(context), min(_time_decode(draft, 0, context, len(context), 2, stop, all_rows=False)))
             _time_decode(draft, STEP_CONTEXT, probe, 1, 1, stop)
-            draft_repeats = _time_decode(draft, STEP_CONTEXT, probe, 1, max(3, repeats), stop)
+            draft_repeats = _one_token(draft, probe, max(3, repeats), stop)
         finally:
             draft.truncate(0)
     costs = Costs(verify, min(draft_repeats) if draft_repeats else 0.0, draft_batch)

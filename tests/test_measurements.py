@@ -352,3 +352,19 @@ def test_bench_says_when_other_processes_held_the_cores(model_paths, tmp_path):
         assert ("the machine was busy" in out.stderr) == (machine["excess"] > 0.5), (machine, out.stderr[-500:])
         machines.append(machine)
     assert machines[1]["excess"] > 0.5 and machines[1]["other_processes_cores"] > machines[0]["other_processes_cores"]
+
+
+def test_decodes_of_a_millisecond_are_timed_until_their_runs_add_up(tiny_paths, monkeypatch):
+    """A GPU's decodes (and the tiny models' here) take a millisecond or two and vary by as much
+    with the OS's scheduling: timed twice a size, `specllama calibrate` refused most curves of
+    the tiny model as a busy machine's. Each timing is the fastest of runs adding up to a floor
+    (calibrate.TIMED_FLOOR): many runs of a sub-millisecond draft step, not the 3 asked."""
+    with specllama.load(tiny_paths["attention-draft"], tiny_paths["attention-draft"], **SETTINGS) as llm, \
+            llm.exclusive():
+        draft, n_decodes = llm.draft, []
+        decode = draft.decode
+        monkeypatch.setattr(draft, "decode", lambda *a, **k: n_decodes.append(1) or decode(*a, **k))
+        costs, evidence = calibrate.measure_costs(llm.target, draft)
+    assert len(evidence["draft_repeats"]) == 3 and costs.draft_token == min(evidence["draft_repeats"])
+    # its batch twice, a warm-up step, and three bursts of steps adding up to TIMED_FLOOR / 3 each
+    assert len(n_decodes) >= 2 + 1 + 3 * 4 and len(n_decodes) > 3 * calibrate.TIMED_FLOOR / 3 / costs.draft_token / 2

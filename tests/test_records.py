@@ -32,6 +32,19 @@ def test_a_draft_batch_cheaper_than_one_step_or_dearer_than_its_steps_is_refused
         assert why is not None and "64 tokens at once" in why
 
 
+def test_timings_the_os_moves_by_a_few_tenths_of_a_millisecond_are_not_a_busy_machine():
+    """A GPU's (or a tiny model's) decodes of 0.4-1 ms, which the OS's scheduling moves by a few
+    tenths of a millisecond: calibrate refused most such curves. The same timings at a CPU's
+    scale (x60) say the machine was busy."""
+    fast = [0.0007, 0.0004] + [0.0008 + 0.00002 * n for n in range(15)]  # a batch of 2 "below" one
+    repeats, steps = [0.0004, 0.00085, 0.0009], [0.0003, 0.0007, 0.0007]
+    assert records.costs_problem(fast, 0.0003, repeats, steps) is None
+    slow = [60 * v for v in fast]
+    assert "batch of 2" in records.costs_problem(slow, 0.018)
+    assert "varied" in records.costs_problem(QUIET, 0.012, [60 * v for v in repeats])
+    assert "varied" in records.costs_problem(QUIET, 0.012, draft_repeats=[60 * v for v in steps])
+
+
 def test_one_slow_repeat_is_a_spike_not_a_busy_machine():
     assert records.costs_problem(QUIET, 0.012, [0.035, 0.978, 0.036], [0.012, 0.05, 0.012]) is None
 
