@@ -4,7 +4,7 @@ In order of trust: a probe's curve (measure_costs: every verify size, repeated, 
 busy machine), cached per model, settings, build and machine, used only if it is plausible and a
 few live decodes agree with it (records.py); a curve the rounds keep contradicting is replaced by
 what they measure. Where none describes this machine, a first estimate timed at load
-(calibrate.first_costs) stands in and the rounds correct it from the first one on (OnlineCosts),
+(cost_probes.first_costs) stands in and the rounds correct it from the first one on (OnlineCosts),
 so a script's first request drafts; the probe is queued for idle time (or warm_up()).
 """
 
@@ -16,7 +16,8 @@ from dataclasses import replace
 from typing import Optional
 
 from . import records
-from .calibrate import costs_key, first_costs, measure_costs, quick_costs, time_draft_step
+from .calibrate import costs_key
+from .cost_probes import first_costs, measure_costs, quick_costs, time_draft_step
 from .controller import Costs, OnlineCosts
 from .fidelity import DiffTable
 from .idle import IdleWork, Task
@@ -77,7 +78,7 @@ class CostBook:
 
     def _first_estimate(self, why: str) -> None:
         """Costs that draft from the first request, where none cached describe this machine: a
-        first estimate timed now (calibrate.first_costs, about 1 s) that the rounds correct."""
+        first estimate timed now (cost_probes.first_costs, about 1 s) that the rounds correct."""
         short = self._batch_diffs.known(0)
         costs, self._v1_live = first_costs(self.target, self.draft, short.verify_seconds if short else ())
         self.curve, self.online, self.source = costs, None, "first estimate timed at load"

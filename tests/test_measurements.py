@@ -14,7 +14,7 @@ import pytest
 import specllama
 from conftest import SETTINGS, spinning_on_every_core
 from prompts import LONG_STORY
-from specllama import calibrate, records
+from specllama import calibrate, cost_probes, records
 from specllama.idle import PROCESS
 
 FLAT_BUSY = [3.232] * 17  # every size at 3.2 s: flat like a GPU's, on a machine that does ~35 ms
@@ -358,13 +358,13 @@ def test_decodes_of_a_millisecond_are_timed_until_their_runs_add_up(tiny_paths, 
     """A GPU's decodes (and the tiny models' here) take a millisecond or two and vary by as much
     with the OS's scheduling: timed twice a size, `specllama calibrate` refused most curves of
     the tiny model as a busy machine's. Each timing is the fastest of runs adding up to a floor
-    (calibrate.TIMED_FLOOR): many runs of a sub-millisecond draft step, not the 3 asked."""
+    (cost_probes.TIMED_FLOOR): many runs of a sub-millisecond draft step, not the 3 asked."""
     with specllama.load(tiny_paths["attention-draft"], tiny_paths["attention-draft"], **SETTINGS) as llm, \
             llm.exclusive():
         draft, n_decodes = llm.draft, []
         decode = draft.decode
         monkeypatch.setattr(draft, "decode", lambda *a, **k: n_decodes.append(1) or decode(*a, **k))
-        costs, evidence = calibrate.measure_costs(llm.target, draft)
+        costs, evidence = cost_probes.measure_costs(llm.target, draft)
     assert len(evidence["draft_repeats"]) == 3 and costs.draft_token == min(evidence["draft_repeats"])
     # its batch twice, a warm-up step, and three bursts of steps adding up to TIMED_FLOOR / 3 each
-    assert len(n_decodes) >= 2 + 1 + 3 * 4 and len(n_decodes) > 3 * calibrate.TIMED_FLOOR / 3 / costs.draft_token / 2
+    assert len(n_decodes) >= 2 + 1 + 3 * 4 and len(n_decodes) > 3 * cost_probes.TIMED_FLOOR / 3 / costs.draft_token / 2

@@ -122,7 +122,8 @@ def calibrate_cmd(choice: ModelChoice, kv_groups: int, fresh: bool, as_json: boo
     """Measure (and cache) MODEL's verify-batch fidelity per KV length and this machine's decode
     costs, loaded exactly as `run` loads it: what run, chat and serve then use."""
     from .. import records
-    from ..calibrate import calibrate_fidelity, costs_key, measure_costs
+    from ..calibrate import calibrate_fidelity, costs_key
+    from ..cost_probes import measure_costs
     from ..concurrency_probes import measure_pieces
     from ..fidelity import LEVELS, group_label, kv_group
     from ..limits import MAX_VERIFY

@@ -33,7 +33,7 @@ class Costs:
 
 
 MIN_RATIO = 0.05  # the least measured/calibrated ratio a fit may give
-STEP_CONTEXT = 64  # cached tokens behind the calibration's draft step (calibrate.measure_costs)
+STEP_CONTEXT = 64  # cached tokens behind the calibration's draft step (cost_probes.measure_costs)
 
 
 def ideal_speedup(costs: Costs, k: int) -> float:

@@ -35,7 +35,7 @@ from .vocab import Vocab
 
 
 def _decode_batches(runtime: "Runtime", tokens: Sequence[int], n_past: int, n_logits: int, aligned: bool,
-                    progress: Optional[Progress], cap: int) -> tuple[int, Pass]:
+                    progress: Optional[Progress], cap: Optional[int]) -> tuple[int, Pass]:
     """Runtime.decode's batches: tokens at n_past.. in chunks (pieces where next_batch_end cuts
     them), each appended to runtime.cached once decoded (and told to progress); the first
     logit row the last one kept, and the last pass (what every pass waited, summed)."""
@@ -213,8 +213,7 @@ class Runtime(Vocab, TreeDecoding):
         self._rows.clear()
         self._memory.before_decode(n_past, len(tokens))
         try:
-            self._rows.first, last = _decode_batches(self, tokens, n_past, n_logits, aligned, progress,
-                                                     self._cap(cap))
+            self._rows.first, last = _decode_batches(self, tokens, n_past, n_logits, aligned, progress, cap)
             self._rows.n = n_logits
         except BaseException as e:
             self._rows.clear()
@@ -223,19 +222,13 @@ class Runtime(Vocab, TreeDecoding):
             raise
         return last
 
-    def _cap(self, cap: Optional[int]) -> int:
-        """The most rows a pass holding this decode's rows may have (a context of its own: its own rows)."""
-        if self._lane is None:
-            return self.n_batch
-        return self._lane.default_cap if cap is None else cap
-
-    def _pass(self, pos: int, n_tokens: int, cap: int) -> Pass:
+    def _pass(self, pos: int, n_tokens: int, cap: Optional[int]) -> Pass:
         """llama_decode the filled batch (a lane: through its shared context, maybe beside other
         lanes' rows up to cap rows in all, which keeps copies of this batch's rows)."""
         if self._lane is None:
             check_status(*llama_decode(self._ctx.ptr, self._batch.c), self.name, pos, n_tokens)
             return Pass(n_tokens)
-        job = self._lane.shared.decode(self._batch, cap, self._lane.base)
+        job = self._lane.shared.decode(self._batch, self._lane.cap(cap), self._lane.base)
         self._rows.copied = job.rows
         # the total also leaves out the other lanes' rows' share of the pass (shared._Job.for_others)
         self.t_waited_total += job.waited + job.for_others(n_tokens)

@@ -153,6 +153,11 @@ class Lane:
     n_ctx: int
     default_cap: int = 1
 
+    def cap(self, cap: Optional[int]) -> int:
+        """The most rows a pass holding a decode's rows may have: cap, or where the decode names
+        none, the lane's default."""
+        return self.default_cap if cap is None else cap
+
     def n_active(self) -> int:
         return max(1, self.shared.n_active())
 

@@ -38,8 +38,7 @@ class TreeDecoding:
     _memory: Any
     _batch: Any
 
-    _pass: Callable[[int, int, int], Pass]
-    _cap: Callable[[Optional[int]], int]
+    _pass: Callable[[int, int, Optional[int]], Pass]
     decode: Callable[..., Pass]
 
     def decode_tree(self, root: int, tokens: Sequence[int], tree: Tree, cap: Optional[int] = None) -> Pass:
@@ -69,7 +68,7 @@ class TreeDecoding:
                               [*range(n_kv, n_root + 1), *(n_root + tree.depth[i] for i in layout.order)],
                               [*([every] * (n_pre + 1)), *(layout.seqs[i] for i in layout.order)], n_pre)
         try:
-            done = self._pass(n_kv, n_pre + n, self._cap(cap))
+            done = self._pass(n_kv, n_pre + n, cap)
         except BaseException:
             for seq in range(1, layout.n_seqs):
                 self._memory.remove(seq, -1)
