@@ -222,7 +222,7 @@ class Runtime(Vocab, TreeDecoding):
             raise
         return last
 
-    def _pass(self, pos: int, n_tokens: int, cap: Optional[int]) -> Pass:
+    def _pass(self, pos: int, n_tokens: int, cap: Optional[int] = None) -> Pass:
         """llama_decode the filled batch (a lane: through its shared context, maybe beside other
         lanes' rows up to cap rows in all, which keeps copies of this batch's rows)."""
         if self._lane is None:
