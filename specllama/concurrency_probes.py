@@ -191,4 +191,4 @@ def plan_pieces(pieces: dict[str, int], runtimes: tuple[Any, ...], idle: IdleWor
             return True
 
         idle.add(Task(f"pieces|{runtime.identity}", run, what=f"{runtime.name}'s prefill in pieces",
-                      takes_context=True, quiet=PROBE_QUIET_SECONDS))
+                      takes_context=True, quiet=PROBE_QUIET_SECONDS, beside=True))

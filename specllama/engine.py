@@ -119,13 +119,15 @@ class SpecLlama(LlamaApi, BatchApi):
         with self._models:
             return self.planner.book.get(measure=True)
 
-    def warm_up(self) -> list[str]:
+    def warm_up(self, alone: bool = False) -> list[str]:
         """Run, now, the measurements this object would otherwise make when idle (the short
         context's verify limit, decode costs, limits at KV lengths generations reached, the
         draft catching up with the last conversation): what ran. Until they have run, rounds
-        where they matter decode plainly; a server or chat runs them between requests."""
+        where they matter decode plainly; a server or chat runs them between requests. alone:
+        only what one request at a time uses (a one-shot command's), not what requests side by
+        side or later idle work use (how a prefill may go in pieces)."""
         self._check_open()
-        return self.idle.warm_up()
+        return self.idle.warm_up(alone)
 
     # --- public API --------------------------------------------------------------------------
 

@@ -164,6 +164,9 @@ class Task:
     # cannot stop midway (a whole prefill chunk measured against its pieces) waits for a quiet
     # longer than between a chat UI's or an agent's back-to-back requests, which it would delay
     quiet: float = GRACE_SECONDS
+    # it measures what only requests side by side, or later idle work, use (a prefill in
+    # pieces): a one-shot command, one request and gone, leaves it (warm_up(alone=True))
+    beside: bool = False
 
 
 class IdleWork:
@@ -209,11 +212,18 @@ class IdleWork:
             self._last_busy = time.monotonic()
             self._cv.notify_all()
 
-    def warm_up(self) -> list[str]:
-        """Run every queued task that can run, now, in this thread; what ran."""
+    def pending_alone(self) -> list[str]:
+        """What is queued that one request at a time uses, in words (warm_up(alone=True) runs it)."""
+        with self._cv:
+            return [t.what or t.key for t in self._tasks.values() if not t.beside]
+
+    def warm_up(self, alone: bool = False) -> list[str]:
+        """Run every queued task that can run (alone: those one request at a time uses), now,
+        in this thread; what ran."""
         ran: list[str] = []
+        beside = {t.key for t in list(self._tasks.values()) if t.beside} if alone else set()
         # a task a later one queued again (the costs probe takes the draft's context) runs again, once
-        while (task := self._first_ready({key for key in ran if ran.count(key) > 1})) is not None:
+        while (task := self._first_ready({key for key in ran if ran.count(key) > 1} | beside)) is not None:
             with self._models, PROCESS.busy():
                 if not self._run(task, lambda: False):
                     break

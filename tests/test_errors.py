@@ -22,7 +22,7 @@ from specllama.compat import vocab_info
 from specllama.runtime import ModelSettings, Runtime
 
 from conftest import SETTINGS
-from prompts import CODE
+from prompts import CODE, LONG_CODE
 
 
 @pytest.fixture(scope="module")
@@ -195,7 +195,7 @@ def test_drafted_tree_rounds_at_the_end_of_the_context_finish_with_length(model_
     the object goes on working."""
     with specllama.load(model_paths["target"], model_paths["draft"], n_ctx=64, n_threads=2, exact="off", n_draft=4,
                         tree=2) as llm:
-        prompt = llm.tokenize(CODE)
+        prompt = llm.tokenize(LONG_CODE)[:llm.target.n_ctx - 48]  # llama.cpp's least context is 256 cells
         r = llm.generate(prompt, max_tokens=None)
         assert r.finish_reason == "length" and len(prompt) + len(r.tokens) == llm.target.n_ctx + 1
         assert r.stats.n_drafted > 0 and r.stats.n_tree_rounds > 0, r.stats.as_dict()

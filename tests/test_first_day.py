@@ -64,6 +64,19 @@ def test_a_library_load_computes_nothing_in_the_background(model_paths, home, mo
         assert len(idle_threads()) >= before + 1
 
 
+def test_warm_up_alone_measures_what_one_request_uses_and_leaves_what_requests_side_by_side_use(tiny_paths, home):
+    """A one-shot command's first use (`specllama run`) measures what its request uses; how a
+    prefill may go in pieces beside other requests waits for a server's or a chat's idle time."""
+    with specllama.load(tiny_paths["attention-draft"], tiny_paths["attention-draft"], n_parallel=2,
+                        **SETTINGS) as llm:
+        pieces = [what for what in llm.idle.pending() if what.endswith("prefill in pieces")]
+        assert pieces and llm.idle.pending_alone() == ["the decode-cost curve"], llm.idle.pending()
+        assert llm.warm_up(alone=True) == ["costs"]
+        assert llm.idle.pending() == pieces
+        assert sorted(llm.warm_up()) == sorted(key for key in llm.idle.done if key.startswith("pieces|"))
+        assert llm.idle.pending() == []
+
+
 def test_a_first_estimate_fits_the_short_probe_s_passes(model_paths, home):
     """The verify curve's shape comes from the passes the load's fidelity probe timed: a robust
     line, so one pass the machine disturbed does not bend it."""

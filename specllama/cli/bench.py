@@ -44,7 +44,7 @@ def bench_cmd(choice: ModelChoice, prompts_file: str, max_tokens: int, repeats: 
     costs, the acceptance by draft position and the speed against draft length."""
     prompts = _read(prompts_file)
     with choice.open(n_parallel=n_parallel, batch_requests="auto" if batch_requests is None else batch_requests) as llm:
-        first_use(llm)
+        first_use(llm, alone=n_parallel == 1)  # requests at once: how a prefill goes beside others too
         configs: list[Any] = [0, "auto"] + ([2, 4, 8] if llm.speculates else [])
         use_chat = not raw and llm.target.chat_template() is not None
         inputs = [llm.chat_tokens(p["messages"]) if "messages" in p else

@@ -113,14 +113,16 @@ def models_label(llm: Any) -> str:
     return f"{llm.target.name}, " + ("drafted by prompt lookup" if llm.lookup else "no draft")
 
 
-def first_use(llm: Any) -> None:
-    """A one-shot command is never idle: measure now what a server would measure between
-    requests (once per model, settings and machine), saying so."""
-    pending = llm.idle.pending()
+def first_use(llm: Any, alone: bool = True) -> None:
+    """A one-shot command is never idle: measure now what its request uses and a server would
+    measure between requests (once per model, settings and machine), saying so. Not what only
+    requests side by side use (a prefill in pieces: 16 s of the 19 s a first `run` of the Qwen
+    pair measured here), which a server or chat measures while idle (alone False: that too)."""
+    pending = llm.idle.pending_alone() if alone else llm.idle.pending()
     if pending:
         click.echo(f"specllama: first use of {llm.target.name} with these settings here: measuring "
                    f"{', '.join(pending)} (once; cached for later runs)", err=True)
-        llm.warm_up()
+        llm.warm_up(alone=alone)
 
 
 def _settings(llm: Any, choice: ModelChoice, gen: GenerateOptions) -> dict:
