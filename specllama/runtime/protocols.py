@@ -37,7 +37,7 @@ class Pass:
 
 
 class LaneLoad(Protocol):
-    """A lane of a shared context as the loop plans a round on it (runtime/core.py: Lane)."""
+    """A lane of a shared context as the loop plans a round on it (runtime/shared.py: Lane)."""
 
     def n_active(self) -> int: ...  # lanes generating in its shared context now, its own included
 
