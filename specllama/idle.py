@@ -201,21 +201,17 @@ class IdleWork:
                 self._tasks[task.key] = task
                 self._cv.notify_all()
 
-    def pending(self) -> list[str]:
-        """What is queued, in words."""
+    def pending(self, alone: bool = False) -> list[str]:
+        """What is queued, in words (alone: what one request at a time uses, which
+        warm_up(alone=True) runs)."""
         with self._cv:
-            return [t.what or t.key for t in self._tasks.values()]
+            return [t.what or t.key for t in self._tasks.values() if not (alone and t.beside)]
 
     def busy(self) -> None:
         """A generation just ran: wait a grace period before idle work starts again."""
         with self._cv:
             self._last_busy = time.monotonic()
             self._cv.notify_all()
-
-    def pending_alone(self) -> list[str]:
-        """What is queued that one request at a time uses, in words (warm_up(alone=True) runs it)."""
-        with self._cv:
-            return [t.what or t.key for t in self._tasks.values() if not t.beside]
 
     def warm_up(self, alone: bool = False) -> list[str]:
         """Run every queued task that can run (alone: those one request at a time uses), now,

@@ -44,13 +44,12 @@ def write(key: str, value: dict, how: str) -> dict:
 
 
 def _varied(values: Sequence[float]) -> bool:
-    """Whether repeated timings say the machine was busy for most of them: their median is
-    STABLE times their fastest, and further off than JITTER."""
-    positive = [v for v in values if v > 0]
-    if len(positive) < len(values) or not positive:
+    """Whether repeated timings say the machine was busy for most of them: their spread is over
+    STABLE and their median further from their fastest than JITTER (a zero timing: busy)."""
+    ratio = spread(values)
+    if math.isinf(ratio):
         return bool(values)
-    median, fastest = statistics.median(positive), min(positive)
-    return median > STABLE * fastest and median - fastest > JITTER
+    return ratio > STABLE and statistics.median(values) - min(values) > JITTER
 
 
 def spread(values: Sequence[float]) -> float:

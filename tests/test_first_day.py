@@ -42,7 +42,7 @@ def test_the_first_request_decides_from_a_first_estimate_and_its_own_rounds(mode
         # a seeded request's text must not hang on one load's timings: plain until a probe's curve
         seeded = llm.generate(CODE, max_tokens=8, temperature=0.7, seed=3)
         assert seeded.stats.controller == {"kind": "fixed", "n_draft": 0}
-        assert "costs" in llm.warm_up() and llm.planner.book.source.startswith("probe")
+        assert "costs" in llm.warm_up(alone=True) and llm.planner.book.source.startswith("probe")
         again = llm.generate(CODE, max_tokens=8)
         assert not any("decode-cost curve" in m for m in again.stats.measurements_pending)
         assert again.stats.sources["decode_costs"].startswith("probe")
@@ -50,17 +50,19 @@ def test_the_first_request_decides_from_a_first_estimate_and_its_own_rounds(mode
 
 def test_a_library_load_computes_nothing_in_the_background(model_paths, home, monkeypatch):
     """A background thread decoding in a library competes with the host's own threads, which
-    idle work cannot see: a llama_cpp.Llama beside an idle SpecLlama ran at 0.61 of its speed."""
+    idle work cannot see: a llama_cpp.Llama beside an idle SpecLlama ran at 0.61 of its speed.
+    SmolLM2 drafting for itself: which threads a load starts does not depend on the pair."""
     before = len(idle_threads())
-    with specllama.load(model_paths["target"], model_paths["draft"], **SETTINGS) as llm:
+    smol = model_paths["smollm2"]
+    with specllama.load(smol, smol, **SETTINGS) as llm:
         llm.generate(LONG_STORY + "Continue the story.", max_tokens=2)  # queues work at its KV length
         assert llm.idle.pending() and len(idle_threads()) == before
         assert llm.idle.done == []
     monkeypatch.setenv("SPECLLAMA_IDLE_WORK", "1")  # asked for, for a whole process tree
-    with specllama.load(model_paths["target"], None, **SETTINGS):
+    with specllama.load(smol, None, **SETTINGS):
         assert len(idle_threads()) == before + 1
     monkeypatch.delenv("SPECLLAMA_IDLE_WORK")
-    with specllama.load(model_paths["target"], None, idle_work=True, **SETTINGS):
+    with specllama.load(smol, None, idle_work=True, **SETTINGS):
         assert len(idle_threads()) >= before + 1
 
 
@@ -70,7 +72,7 @@ def test_warm_up_alone_measures_what_one_request_uses_and_leaves_what_requests_s
     with specllama.load(tiny_paths["attention-draft"], tiny_paths["attention-draft"], n_parallel=2,
                         **SETTINGS) as llm:
         pieces = [what for what in llm.idle.pending() if what.endswith("prefill in pieces")]
-        assert pieces and llm.idle.pending_alone() == ["the decode-cost curve"], llm.idle.pending()
+        assert pieces and llm.idle.pending(alone=True) == ["the decode-cost curve"], llm.idle.pending()
         assert llm.warm_up(alone=True) == ["costs"]
         assert llm.idle.pending() == pieces
         assert sorted(llm.warm_up()) == sorted(key for key in llm.idle.done if key.startswith("pieces|"))

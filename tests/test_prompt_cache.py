@@ -148,7 +148,9 @@ def test_bitwise_warm_turns_equal_a_fresh_load_row_for_row(bitwise_pair, model_p
     monkeypatch.undo()
     assert warm[1].stats.n_prompt_cached > 0 and warm[2].stats.n_prompt_cached > 0
     assert all(r.stats.n_prompt_cached % CHUNK == 0 and r.stats.prompt_cache_exact for r in warm)
-    for i in (1, 2):
+    # the last turn, whose reused prefix spans both earlier turns (turn 1's goes the same path over
+    # one; a fresh load for it too cost 12 s of the suite)
+    for i in (2,):
         # a freshly loaded SpecLlama on turn i's prompt, as the client sent it
         with specllama.load(model_paths["target"], model_paths["draft"], n_draft=3, exact="bitwise",
                             n_batch=CHUNK, **SETTINGS) as fresh:

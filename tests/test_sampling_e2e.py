@@ -90,7 +90,9 @@ def test_only_unseeded_generations_share_what_the_controller_learned(pair):
     from specllama.options import GenerateOptions
     from specllama.request import Defaults, resolve
 
-    pair.warm_up()  # the auto controller needs the decode costs (run alone, no earlier test measured them)
+    # the auto controller needs the decode costs (run alone, no earlier test measured them); not how
+    # prefills go in pieces beside other requests, which no test of this module has
+    pair.warm_up(alone=True)
 
     def policy(seeded, greedy):
         options = GenerateOptions(temperature=0.0 if greedy else 0.7, seed=1 if seeded else None, n_draft="auto")

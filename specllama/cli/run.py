@@ -118,7 +118,7 @@ def first_use(llm: Any, alone: bool = True) -> None:
     measure between requests (once per model, settings and machine), saying so. Not what only
     requests side by side use (a prefill in pieces: 16 s of the 19 s a first `run` of the Qwen
     pair measured here), which a server or chat measures while idle (alone False: that too)."""
-    pending = llm.idle.pending_alone() if alone else llm.idle.pending()
+    pending = llm.idle.pending(alone)
     if pending:
         click.echo(f"specllama: first use of {llm.target.name} with these settings here: measuring "
                    f"{', '.join(pending)} (once; cached for later runs)", err=True)
