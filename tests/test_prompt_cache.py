@@ -177,7 +177,8 @@ def turns_prompt(results, i):
 def test_rounding_reuses_answers_and_differs_only_at_counted_near_ties(pair, plain, reuse_all):
     # between turns the reuse difference at the conversation's length is measured (idle work);
     # until it is, a turn reuses only the bit-exact part (test_measurements.py)
-    warm, _ = turns(pair, 3, between=pair.warm_up)
+    # (alone: not how prefills go in pieces beside other requests, 20 s of the real pair's probes)
+    warm, _ = turns(pair, 3, between=lambda: pair.warm_up(alone=True))
     for i in (1, 2):
         expected = plain.generate(pair.chat_tokens(turns_prompt(warm, i)), max_tokens=N_TOKENS)
         first = first_difference(warm[i].tokens, expected.tokens)
