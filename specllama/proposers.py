@@ -140,6 +140,14 @@ class DraftModelProposer:
         if n_draft <= 0:
             return EMPTY, NO_REPORT
         catch_up = self._sync(tokens)
+        # the steps where the draft's one-token decodes cost least (on the decode thread where it can)
+        proposal, confidence, dropped = self.draft.drafting(self._steps, n_draft, gen, shape, offer)
+        return proposal, DraftReport(confidence, dropped, catch_up)
+
+    def _steps(self, n_draft: int, gen: Generation, shape: Optional[TreeShape], offer: Sequence[int]
+               ) -> tuple[Proposal, list[float], Optional[tuple[int, float]]]:
+        """propose's draft steps from where _sync left the draft: (the proposal, each node's
+        confidence, the token a policy dropped and its confidence)."""
         constraint, sampling = gen.constraint, gen.sampling
         branching = shape is not None and shape.width > 1 and constraint is None
         tree = _TreeBuilder(shape if branching else None)
@@ -178,7 +186,7 @@ class DraftModelProposer:
                 self.draft.decode([x])
             if branching and offer:
                 tree.merge(offer)
-            return tree.proposal(not sampling.greedy), DraftReport(tree.confidence, dropped, catch_up)
+            return tree.proposal(not sampling.greedy), tree.confidence, dropped
         finally:
             if constraint is not None:  # the constraint follows accepted tokens only
                 constraint.rollback(len(constraint.history) - n_history)

@@ -51,6 +51,35 @@ def test_every_llama_decode_runs_on_one_thread_whichever_request_asks(tiny_paths
     assert not {ident for ident, _ in during} & (requesters | {threading.get_ident()})
 
 
+def test_a_round_s_draft_steps_are_one_call_to_the_decode_thread(tiny_paths, monkeypatch):
+    """A draft with a context of its own takes its steps on the decode thread (Runtime.drafting):
+    a round hands that thread its draft's catch-up, its steps and its verify pass, not each step's
+    decode (30-44 us of hand-off a step); the output is the one whose steps were handed off one
+    by one."""
+    from specllama.runtime import decoder
+    from specllama.runtime.core import Runtime
+
+    tiny = tiny_paths["attention-draft"]
+    real, handed = decoder.DecodeThread.run, []
+
+    def counted(self, fn, *args):
+        if threading.get_ident() != self._ident:
+            handed.append(fn)
+        return real(self, fn, *args)
+
+    with specllama.load(tiny, tiny, n_draft=4, tree=1, exact="off", **SETTINGS) as llm:
+        llm.generate("Hello there", max_tokens=8)  # both prompts prefilled
+        monkeypatch.setattr(decoder.DecodeThread, "run", counted)
+        fast = llm.generate("Hello there", max_tokens=48)
+        n_fast = handed.count(decoder._decode)
+        monkeypatch.setattr(Runtime, "drafting", lambda self, steps, *args: steps(*args))
+        handed.clear()
+        slow = llm.generate("Hello there", max_tokens=48)
+    s = fast.stats
+    assert fast.tokens == slow.tokens and s.n_drafted >= 2 * s.n_rounds, s.as_dict()
+    assert n_fast <= 2 * s.n_rounds + 2 < handed.count(decoder._decode), (n_fast, s.n_rounds, len(handed))
+
+
 def test_the_decode_thread_ends_once_nothing_of_specllama_s_runs(tiny_paths):
     """Its OpenMP team outliving the work made a host's own llama_cpp.Llama decode at 0.71x
     its speed beside an idle SpecLlama (benchmarks/test_beside_host.py): it ends with the last

@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional, Union
+from typing import Any, Optional, TypeVar, Union
 
 import llama_cpp
 import numpy as np
@@ -21,7 +21,7 @@ import numpy as np
 from ..errors import ContextFullError, DecodeError, InvalidParameterError
 from . import session
 from .batches import Interrupted, chunk_bounds, next_batch_end
-from .decoder import check_status, llama_decode
+from .decoder import DECODER, check_status, llama_decode
 from .ggml import MemoryUse
 from .handles import Batch, Handle
 from .loading import borrow_runtime, load_runtime, sibling_runtime, why_no_sibling
@@ -32,6 +32,8 @@ from .settings import ModelSettings
 from .state import PrefillRow, SavedState, restore_sequence, save_sequence
 from .trees import TreeDecode, TreeDecoding
 from .vocab import Vocab
+
+T = TypeVar("T")
 
 
 def _decode_batches(runtime: "Runtime", tokens: Sequence[int], n_past: int, n_logits: int, aligned: bool,
@@ -245,6 +247,11 @@ class Runtime(Vocab, TreeDecoding):
             yield
         finally:
             self._beside = saved
+
+    def drafting(self, steps: Callable[..., T], *args: Any) -> T:
+        """protocols.Drafter.drafting: on the decode thread with a context of its own; in a lane,
+        here (a shared pass waits for other requests' threads, whose decodes need that thread)."""
+        return steps(*args) if self._lane is not None else DECODER.run(steps, *args)
 
     @property
     def lane(self) -> Optional[Lane]:

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import ctypes
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager, ExitStack, nullcontext
-from typing import Any, Optional, Protocol
+from typing import Any, Optional, Protocol, TypeVar
 
 import llama_cpp
 import numpy as np
@@ -16,6 +16,9 @@ from .ggml import MemoryUse
 from .handles import Handle, new_context
 from .protocols import Beside, SlotUnavailable
 from .settings import ModelSettings
+
+T = TypeVar("T")
+
 
 class MtpTarget(Protocol):
     """What MTP layers read of the target they follow (a core.Runtime)."""
@@ -172,6 +175,9 @@ class MtpHead:
 
     def passing_turns(self, beside: Optional[Beside], n_piece: int = 0) -> AbstractContextManager[None]:
         return nullcontext()  # a draft step decodes a few tokens: nothing to pass the turn between
+
+    def drafting(self, steps: Callable[..., T], *args: Any) -> T:
+        return steps(*args)  # its steps decode in its target's context, which may be a lane's
 
     def sibling(self) -> "MtpHead":
         raise SlotUnavailable(self.why_no_sibling)

@@ -7,7 +7,7 @@ from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional, Protocol, Union
+from typing import Any, Optional, Protocol, TypeVar, Union
 
 import numpy as np
 
@@ -20,6 +20,8 @@ from .state import PrefillRow, SavedState
 class SlotUnavailable(Exception):
     """No second context can be made on this model (why, in words): sibling() raises it."""
 
+
+T = TypeVar("T")
 
 Progress = Callable[[int], None]
 """Told, after each batch of a prefill, how many of the prompt's tokens the cache holds now."""
@@ -82,6 +84,12 @@ class Drafter(Protocol):
 
     # within: its long decodes pass the turn to beside between batches, in pieces of n_piece rows
     def passing_turns(self, beside: Optional[Beside], n_piece: int = 0) -> AbstractContextManager[None]: ...
+
+    # steps(*args), a round's draft steps, where its one-token decodes cost least: a Runtime with a
+    # context of its own runs them on the decode thread (runtime/decoder.py), so no decode in them
+    # hands a call to that thread and waits (30-44 us a step on our 2-core VM, the fastest of 150
+    # runs of 16 steps either way). steps must not wait on another thread.
+    def drafting(self, steps: Callable[..., T], *args: Any) -> T: ...
 
     def close(self) -> None: ...
 

@@ -15,10 +15,10 @@ from __future__ import annotations
 
 import os
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
-from typing import Any, Optional, Union
+from typing import Any, Optional, TypeVar, Union
 
 import numpy as np
 
@@ -33,6 +33,9 @@ from .settings import Device, ModelSettings
 from .state import PrefillRow, SavedState
 
 HANDSHAKE_TIMEOUT = 30.0  # seconds for the workers to answer llama.cpp's hello and report their devices
+
+
+T = TypeVar("T")
 
 
 class RemoteRuntime:
@@ -115,6 +118,9 @@ class RemoteRuntime:
 
     def passing_turns(self, beside: Optional[Beside], n_piece: int = 0) -> AbstractContextManager[None]:
         return nullcontext()  # the host decodes every batch in one call: nothing to pass the turn between
+
+    def drafting(self, steps: Callable[..., T], *args: Any) -> T:
+        return steps(*args)  # the host decodes in its own process: no hand-off here to spare
 
     def sibling(self) -> "RemoteRuntime":
         raise SlotUnavailable(self.why_no_sibling)
