@@ -21,8 +21,10 @@ of their own, specllama's alternating in this one):
   caches cut back to what was accepted), with its own acceptance;
 - specllama plain (n_draft=0), specllama chains (n_draft=k, tree=1, exact="off") and specllama
   at its defaults with n_draft=k (the rounding level, whose near-ties are judged on every
-  accepted row, and trees), every llama_decode it makes timed, so the engine's own time is the
-  rest: per drafted token (the draft phase's) and per verify pass (the rest of the round).
+  accepted row, and trees), and chains sampled at temperature 1 (each draft step a distribution
+  and a draw, each verify row a distribution), every llama_decode it makes timed, so the
+  engine's own time is the rest: per drafted token (the draft phase's) and per verify pass (the
+  rest of the round).
 
 The speedup the llama.cpp time allows is raw plain's rate against raw chain's at specllama's
 acceptance (tokens a round), which the engine reaches when its own time is zero.
@@ -227,11 +229,12 @@ def test_engine_overhead_per_drafted_token_and_per_verify_pass(kind):
     with specllama.load(target_path, None, **settings) as plain, \
             specllama.load(target_path, draft_path, exact="off", **settings) as pair, \
             specllama.load(target_path, draft_path, **settings) as default:
-        runs.update({"plain": [], "chain": [], "default": []})
+        runs.update({"plain": [], "chain": [], "default": [], "sampled": []})
         for _ in range(N_REPEATS):
             runs["plain"].append(spec_run(plain, n_draft=0))  # no draft model, and no prompt lookup either
             runs["chain"].append(spec_run(pair, n_draft=K, tree=1))
             runs["default"].append(spec_run(default, n_draft=K))
+            runs["sampled"].append(spec_run(pair, n_draft=K, tree=1, temperature=1.0, seed=1))
     raw_plain_s = min(runs["raw plain"])
     raw_chain_s, raw_tpr = min(runs["raw chain"])
     plain_s = min(r["per_token"] for r in runs["plain"])
@@ -243,7 +246,8 @@ def test_engine_overhead_per_drafted_token_and_per_verify_pass(kind):
     print(f"  specllama plain  {plain_s * 1e3:6.3f} ms a token ({plain_s / raw_plain_s:.2f}x raw)")
     print(f"  raw chain k={K}    {raw_chain_s * 1e3:6.3f} ms a token, {raw_tpr:.2f} tokens a round "
           f"({raw_plain_s / raw_chain_s:.2f}x raw plain)")
-    for name, what in (("chain", 'exact="off", tree=1'), ("default", "the default level and trees")):
+    for name, what in (("chain", 'exact="off", tree=1'), ("default", "the default level and trees"),
+                       ("sampled", 'exact="off", tree=1, temperature 1, seeded')):
         run = min(runs[name], key=lambda r: r["per_token"])
         draft_own = (run["t_draft"] - run["llama_draft"]) / max(run["drafted"], 1)
         verify_own = (run["t_decode"] - run["t_draft"] - run["llama_target"]) / max(run["rounds"], 1)

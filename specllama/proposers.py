@@ -19,7 +19,7 @@ from .prompt_cache import PromptCache
 from .proposals import EMPTY, NO_REPORT, DraftMore, DraftReport, Proposal, TreeShape
 from .runtime.protocols import Drafter
 from .runtime.session import common_prefix
-from .sampling import Dist, SamplingSettings, distribution, greedy, sample, top_candidates, top_probability
+from .sampling import Dist, SamplingSettings, distribution, greedy, inner, sample, top_candidates, top_probability
 from .tree import Tree
 
 
@@ -213,7 +213,7 @@ def _deciding(confidence: list[float], q: Optional[Dist]) -> list[float]:
     sampled candidate is proposed must not depend on its own value: the verifier judges it as
     drawn from q, and a candidate kept only where its value was likely is not (the output
     would lean to the draft's favourites); it may depend on every earlier candidate."""
-    return confidence if q is None else [*confidence[:-1], float(np.dot(q.probs, q.probs))]
+    return confidence if q is None else [*confidence[:-1], inner(q.probs, q.probs)]
 
 
 def _next_best(row: np.ndarray, x: int, q: Optional[Dist], top: float, n: int, rng: np.random.Generator,
@@ -243,7 +243,7 @@ def _next_best(row: np.ndarray, x: int, q: Optional[Dist], top: float, n: int, r
         if not keep.any() or q.probs[keep].sum() <= 0:
             return
         q_j = Dist(q.ids[keep], q.probs[keep] / q.probs[keep].sum())
-        if not wanted(float(np.dot(q_j.probs, q.probs[keep]))):
+        if not wanted(inner(q_j.probs, q.probs[keep])):
             return
         token = sample(q_j, rng)
         taken.append(token)
