@@ -74,22 +74,42 @@ def _softmax(x: np.ndarray) -> np.ndarray:
     return e / e.sum()
 
 
+# top_candidates splits a row into groups of this many logits: the n-th largest of their maxima
+# is a floor for the n-th largest logit (n groups each hold one at least that large)
+BLOCK = 128
+
+
+def _near_top(logits: np.ndarray, n: int) -> np.ndarray:
+    """Ids of the logits at least the n-th largest group maximum: the n largest among them, and
+    every logit tied with the n-th. Group j holds every (n_vocab // BLOCK)-th logit from j (one
+    vectorised max over a reshaped view, 11 us on 152k logits; contiguous blocks took 92 us),
+    the last partial group its own; then one compare over the row."""
+    n_groups = logits.shape[0] // BLOCK
+    maxima = logits[:n_groups * BLOCK].reshape(BLOCK, n_groups).max(axis=0)
+    if n_groups * BLOCK < logits.shape[0]:
+        maxima = np.append(maxima, logits[n_groups * BLOCK:].max())
+    floor = np.partition(maxima, maxima.shape[0] - n)[maxima.shape[0] - n]
+    return np.flatnonzero(logits >= floor)
+
+
+def _within_margin(logits: np.ndarray, n: int) -> np.ndarray:
+    """Ids of the logits within a margin of the largest, the margin doubled until n are (for n
+    past the row's block count, where _near_top cannot bound the n-th)."""
+    top, margin = logits.max(), 8.0
+    while True:
+        pool = np.flatnonzero(logits >= top - margin)
+        if pool.shape[0] >= n or margin > 1e4:
+            return pool if pool.shape[0] >= n else np.arange(logits.shape[0])
+        margin *= 2
+
+
 def top_candidates(logits: np.ndarray, n: int) -> np.ndarray:
     """Ids of the n largest logits, largest first (ties broken by lower id)."""
     n_vocab = logits.shape[0]
     if n < n_vocab:
-        # Narrow to the tokens within `margin` of the max before partitioning: a comparison
-        # pass is ~30x cheaper than argpartition over 150k logits, and any superset of the
-        # top n gives the same answer.
-        top = logits.max()
-        margin = 8.0
-        while True:
-            pool = np.flatnonzero(logits >= top - margin)
-            if pool.shape[0] >= n or margin > 1e4:
-                break
-            margin *= 2
-        if pool.shape[0] < n:
-            pool = np.arange(n_vocab)
+        # narrow to a superset of the top n (and of every logit tied with the n-th) before
+        # partitioning: argpartition over 150k logits costs ~30 compare passes
+        pool = _near_top(logits, n) if n <= n_vocab // BLOCK else _within_margin(logits, n)
         # everything tied with the n-th largest value, so the lowest ids win ties below
         kth = logits[pool[np.argpartition(logits[pool], pool.shape[0] - n)[pool.shape[0] - n]]]
         ids = pool[logits[pool] >= kth]

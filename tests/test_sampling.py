@@ -151,3 +151,22 @@ def test_the_round_s_reductions_leave_openblas_alone():
     for module in (decode, proposers, sampling, verify, policy):
         found = re.findall(r"np\.(?:dot|matmul|inner|vdot|linalg\.\w+)\(|\w \@ \w", inspect.getsource(module))
         assert not found, (module.__name__, found)
+
+
+def test_top_candidates_are_the_n_largest_lowest_ids_first_on_ties():
+    """Against a full sort, on rows of a random model's spread and a trained one's flat spread,
+    with ties (rounded logits), -inf entries (a constraint's), vocabularies with and without a
+    partial last block, and n on both sides of the row's block count (sampling.BLOCK)."""
+    from specllama.sampling import BLOCK, top_candidates
+
+    rng = np.random.default_rng(11)
+    for n_vocab in (151_936, 49_152, 1_000):
+        for scale, rounded in ((12.0, False), (2.0, False), (2.0, True)):
+            row = (rng.standard_normal(n_vocab) * scale).astype(np.float32)
+            if rounded:  # many ties, at the top too
+                row = np.round(row).astype(np.float32)
+            row[rng.choice(n_vocab, n_vocab // 10, replace=False)] = -np.inf
+            expected = np.lexsort((np.arange(n_vocab), -row))
+            for n in (1, 2, 5, 40, 64, 200, n_vocab // BLOCK, n_vocab // BLOCK + 1, 4096):
+                if n < n_vocab:
+                    assert top_candidates(row, n).tolist() == expected[:n].tolist(), (n_vocab, scale, rounded, n)
