@@ -87,7 +87,7 @@ class Drafter(Protocol):
 
     # steps(*args), a round's draft steps, where its one-token decodes cost least: a Runtime with a
     # context of its own runs them on the decode thread (runtime/decoder.py), so no decode in them
-    # hands a call to that thread and waits (30-44 us a step on our 2-core VM, the fastest of 150
+    # hands a call to that thread and waits (25-44 us a step on our 2-core VM, the fastest of 150
     # runs of 16 steps either way). steps must not wait on another thread.
     def drafting(self, steps: Callable[..., T], *args: Any) -> T: ...
 
