@@ -54,7 +54,7 @@ def test_every_llama_decode_runs_on_one_thread_whichever_request_asks(tiny_paths
 def test_a_round_s_draft_steps_are_one_call_to_the_decode_thread(tiny_paths, monkeypatch):
     """A draft with a context of its own takes its steps on the decode thread (Runtime.drafting):
     a round hands that thread its draft's catch-up, its steps and its verify pass, not each step's
-    decode (30-44 us of hand-off a step); the output is the one whose steps were handed off one
+    decode (25-44 us of hand-off a step); the output is the one whose steps were handed off one
     by one."""
     from specllama.runtime import decoder
     from specllama.runtime.core import Runtime

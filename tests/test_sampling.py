@@ -156,7 +156,7 @@ def test_the_round_s_reductions_leave_openblas_alone():
 def test_top_candidates_are_the_n_largest_lowest_ids_first_on_ties():
     """Against a full sort, on rows of a random model's spread and a trained one's flat spread,
     with ties (rounded logits), -inf entries (a constraint's), vocabularies with and without a
-    partial last block, and n on both sides of the row's block count (sampling.BLOCK)."""
+    partial last group, and n on both sides of the row's group count (n_vocab // sampling.BLOCK)."""
     from specllama.sampling import BLOCK, top_candidates
 
     rng = np.random.default_rng(11)
