@@ -55,9 +55,9 @@ import pytest
 
 import specllama
 import workloads
-from specllama.batch import time_requests
+from specllama.scheduling.batch import time_requests
 from specllama.controller.costs import Costs
-from specllama.limits import MAX_VERIFY
+from specllama.decoding.limits import MAX_VERIFY
 
 N_THREADS = int(os.environ.get("SPECLLAMA_BENCH_THREADS", "2"))
 TARGETS = {"q4": "target", "f16": "target-f16"}

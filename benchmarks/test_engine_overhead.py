@@ -268,7 +268,7 @@ def test_the_draft_s_confidence_on_a_trained_model_s_rows():
     trained model's often are not, and picking the logits near the top out of such a row cost
     more than the exp: before FEW_NEAR, 481 us a row here against 168 us for the exp (0.63 ms
     a prose row), with FEW_NEAR 168 us."""
-    from specllama.sampling import greedy, top_probability
+    from specllama.decoding.sampling import greedy, top_probability
 
     rows = []
     with specllama.load(fetch_models.path_of("draft"), None, n_ctx=1024, n_threads=N_THREADS,

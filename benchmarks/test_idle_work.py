@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 
 import specllama
-from specllama.concurrency_probes import measure_pieces
+from specllama.measuring.concurrency_probes import measure_pieces
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from workloads import shlex_source  # noqa: E402

@@ -10,10 +10,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from specllama.proposers import PromptLookupProposer
-from specllama.sampling import SamplingSettings, distribution, greedy
-from specllama.stats import Stats
-from specllama.verify import greedy_verify, speculative_verify
+from specllama.decoding.proposers import PromptLookupProposer
+from specllama.decoding.sampling import SamplingSettings, distribution, greedy
+from specllama.decoding.stats import Stats
+from specllama.decoding.verify import greedy_verify, speculative_verify
 
 N_VOCAB = 151_936
 K = 5
@@ -48,7 +48,7 @@ def test_overhead_per_round(benchmark, temperature):
 
 
 def controller_round(controller, confidences, n_accepted, t_verify):
-    from specllama.proposals import DraftReport, Proposal, RoundOutcome
+    from specllama.decoding.proposals import DraftReport, Proposal, RoundOutcome
 
     source, k = controller.plan(16, 2, 8)
     drafted = []

@@ -5,7 +5,7 @@
         print(llm.generate("def fib(n):", max_tokens=64).text)
 
 load, SpecLlama and the stream types are imported on first use, so modules that need no model
-(specllama.plan, the errors) load no llama.cpp.
+(specllama.models.plan, the errors) load no llama.cpp.
 """
 
 from __future__ import annotations
@@ -29,9 +29,9 @@ from .errors import (
     SpecLlamaError,
 )
 from .options import GenerateOptions
-from .plan import MemoryPlanError
-from .sampling import SamplingSettings
-from .stats import Stats
+from .models.plan import MemoryPlanError
+from .decoding.sampling import SamplingSettings
+from .decoding.stats import Stats
 
 __version__ = "0.1.0"
 

@@ -17,13 +17,13 @@ from . import runtime
 
 if TYPE_CHECKING:
     from .runtime.core import Runtime
-from . import records
-from .calibrate import apart_key, calibrate_fidelity, fidelity_key, piece_key
+from .measuring import records
+from .measuring.calibrate import apart_key, calibrate_fidelity, fidelity_key, piece_key
 from .controller import OnlineCosts, draft_can_pay
 from .controller.costs import ideal_speedup
-from .fidelity import LEVELS, group_label, kv_group
-from .limits import MAX_VERIFY
-from .sharing import why_not_shared
+from .measuring.fidelity import LEVELS, group_label, kv_group
+from .decoding.limits import MAX_VERIFY
+from .scheduling.sharing import why_not_shared
 
 REBUILD = ("bash scripts/setup.sh (it picks Metal or CUDA for the machine), or in your own environment "
            "CMAKE_ARGS=-DGGML_CUDA=on pip install --force-reinstall --no-cache-dir llama-cpp-python==0.3.36")

@@ -10,26 +10,26 @@ from typing import Any, Optional, Union, cast
 
 import numpy as np
 
-from .batch import BatchApi
-from .compat import check_compatible, vocab_info
+from .scheduling.batch import BatchApi
+from .models.compat import check_compatible, vocab_info
 from .controller import Costs
-from .concurrency_probes import plan_pieces
-from .decode import Decoding, generate_steps
+from .measuring.concurrency_probes import plan_pieces
+from .decoding.decode import Decoding, generate_steps
 from .errors import ClosedError, InvalidParameterError
-from .fidelity import Limits, parse_level
+from .measuring.fidelity import Limits, parse_level
 from .generation import accepted_tokens, finish_stats, in_turns, prefill
-from .idle import PROCESS, IdleWork, idle_wanted
-from .llama_api import LlamaApi
-from .messages import normalize as normalize_messages
+from .measuring.idle import PROCESS, IdleWork, idle_wanted
+from .surfaces.llama_api import LlamaApi
+from .surfaces.messages import normalize as normalize_messages
 from .options import GenerateOptions, Prompt, check_cache_mb, check_n_draft, check_n_parallel, prompt_tokens
-from .planner import Planner
+from .measuring.planner import Planner
 from .request import Defaults, Request, resolve, tree_for
-from .disk_cache import DISK_MB
-from .prompt_cache import Budget, PromptCache, cache_report, close_caches, open_disk
+from .caching.disk_cache import DISK_MB
+from .caching.prompt_cache import Budget, PromptCache, cache_report, close_caches, open_disk
 from .runtime.protocols import Drafter, Model
-from .sharing import Sharing, open_sharing, why_not_shared
-from .slots import Pool, Slot, Slots, why_single
-from .stats import Stats
+from .scheduling.sharing import Sharing, open_sharing, why_not_shared
+from .scheduling.slots import Pool, Slot, Slots, why_single
+from .decoding.stats import Stats
 from .streams import Chunk, Outcome, Result, Stream
 from .text import Detokenizer, StopMatcher
 

@@ -8,13 +8,13 @@ import time
 from collections.abc import Iterator
 from typing import Any, Optional
 
-from .fidelity import Limits
-from .prompt_cache import PromptCache, Reuse
+from .measuring.fidelity import Limits
+from .caching.prompt_cache import PromptCache, Reuse
 from .request import Request
 from .runtime.ggml import resident_bytes
 from .runtime.protocols import Drafter, Model
-from .sampling import SamplingSettings
-from .stats import Stats
+from .decoding.sampling import SamplingSettings
+from .decoding.stats import Stats
 from .streams import ProgressReport
 
 

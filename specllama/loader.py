@@ -8,21 +8,21 @@ from dataclasses import fields
 from pathlib import Path
 from typing import Any, Optional, Union
 
-from .disk_cache import DISK_MB, check as check_disk
+from .caching.disk_cache import DISK_MB, check as check_disk
 from .doctor import offload_note
-from .draft_select import MTP
+from .models.draft_select import MTP
 from .engine import N_PARALLEL, PROMPT_CACHE_MB, SpecLlama, check_cache_mb, check_n_parallel
-from .idle import PROCESS
+from .measuring.idle import PROCESS
 from .errors import InvalidParameterError
-from .fidelity import parse_level
-from .limits import TREE_BRANCHES
+from .measuring.fidelity import parse_level
+from .decoding.limits import TREE_BRANCHES
 from .options import check_n_draft
-from .plan import MemoryPlan, check as check_plan, make_plan, plan_lanes
+from .models.plan import MemoryPlan, check as check_plan, make_plan, plan_lanes
 from .runtime import ModelSettings
 from .runtime.ggml import supports_gpu_offload
 from .runtime.core import open_runtime
 from .runtime.remote import RemoteRuntime
-from .sharing import AUTO
+from .scheduling.sharing import AUTO
 
 log = logging.getLogger("specllama")
 
@@ -116,7 +116,7 @@ def load(target: Any, draft: Any = None, *, n_draft: Union[int, str] = "auto",
     if note is not None:
         log.info(note)
     if _is_ref(target) and (draft is None or _is_ref(draft)):
-        from .draft_select import resolve_pair
+        from .models.draft_select import resolve_pair
 
         target, draft, notes = resolve_pair(str(target), None if draft is None else str(draft))
         for note in notes:

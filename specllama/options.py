@@ -12,7 +12,7 @@ from typing import Any, Optional, Union, cast
 import numpy as np
 
 from .errors import EmptyPromptError, InvalidParameterError, PromptTooLongError
-from .limits import MAX_N_DRAFT, TREE_BRANCHES
+from .decoding.limits import MAX_N_DRAFT, TREE_BRANCHES
 
 
 @dataclass(frozen=True)

@@ -7,12 +7,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Optional, Union
 
-from .constraints import Constraint, Grammar, Penalties, check_logit_bias, grammar_source
+from .decoding.constraints import Constraint, Grammar, Penalties, check_logit_bias, grammar_source
 from .errors import InvalidParameterError
-from .fidelity import Level, parse_level
+from .measuring.fidelity import Level, parse_level
 from .options import GenerateOptions, check_n_draft, check_tree
 from .runtime.protocols import Model
-from .sampling import SamplingSettings
+from .decoding.sampling import SamplingSettings
 from .streams import PromptProgress
 
 

@@ -8,7 +8,7 @@ from collections.abc import Callable, Generator
 from dataclasses import dataclass, field
 from typing import Optional
 
-from .stats import Stats
+from .decoding.stats import Stats
 
 
 @dataclass(frozen=True)

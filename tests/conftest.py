@@ -81,7 +81,7 @@ def quiet_process():
     lengths earlier tests reached) while a test times decodes, here or in a child process: on 2
     cores it makes every timing look busy (a curve is then rightly not stored), and a child's
     three requests at once took 0.19 s to their first tokens against 0.02 s quiet."""
-    from specllama.idle import PROCESS
+    from specllama.measuring.idle import PROCESS
 
     with PROCESS.busy():
         yield
@@ -121,7 +121,7 @@ def own_target(llm) -> Iterator:
     work (the plain fixture measures when idle) ends first and waits until the block ends.
     Decoding on it without this raced that work on the same context: a probe's llama_decode
     failed (status -1) and the test read logits of a context the probe had changed."""
-    from specllama.idle import PROCESS
+    from specllama.measuring.idle import PROCESS
 
     with PROCESS.busy(), llm._models:
         yield llm.target

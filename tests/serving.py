@@ -15,7 +15,7 @@ from typing import Any, Optional
 import httpx
 
 from conftest import SETTINGS
-from specllama.idle import PROCESS
+from specllama.measuring.idle import PROCESS
 
 
 def free_port() -> int:

@@ -16,10 +16,10 @@ import pytest
 import specllama
 from conftest import SETTINGS
 from specllama.errors import InvalidParameterError
-from specllama.fidelity import parse_level
-from specllama.planner import _working_clock
+from specllama.measuring.fidelity import parse_level
+from specllama.measuring.planner import _working_clock
 from specllama.runtime.shared import PASS_WINDOW, REFRESH_EVERY, Parking, PassCosts, SharedContext, _groups, _Job
-from specllama.slots import Turns
+from specllama.scheduling.slots import Turns
 from test_concurrency import SCHEMA, at_once
 
 BOUND = 1.0
@@ -209,7 +209,7 @@ def test_lanes_plan_for_their_share_of_the_pass(lanes, prompts, monkeypatch):
     lanes decoding plainly), not all the room the other lane's last batch left: two lanes
     planning for that room overflowed the pass. Each round is priced from what its verify pass
     held (the Pass its decode returned), other lanes' rows included."""
-    import specllama.decode as decode
+    import specllama.decoding.decode as decode
 
     shares, planned, passes = [], [], []
     room, outcome_of, record = SharedContext.room, decode.RoundOutcome, decode._record
@@ -297,7 +297,7 @@ def test_auto_makes_lanes_only_where_the_load_s_level_allows_them(model_paths, l
     about 0.4 logits on our CPUs, over the rounding bound: no lanes are made, no lane memory is
     taken, and the note says why; at a bound that allows it they are. Read from the measurement,
     so a machine where they differ less makes lanes at rounding and the test says so."""
-    from specllama.concurrency_probes import cached_apart_diff
+    from specllama.measuring.concurrency_probes import cached_apart_diff
     from specllama.runtime import shared
 
     made = []
@@ -343,7 +343,7 @@ def test_auto_says_when_memory_left_no_room_for_lanes(model_paths, monkeypatch):
 def test_auto_lanes_give_way_where_memory_is_short():
     """Lanes that do not fit are dropped with "auto" (the plan without them), kept with True (the
     plan then fails with its ways out)."""
-    from specllama.plan import plan_lanes
+    from specllama.models.plan import plan_lanes
 
     plans = {0: SimpleNamespace(fits=True), 4: SimpleNamespace(fits=False)}
     assert plan_lanes(plans.__getitem__, 4, required=False) == (plans[0], 0)

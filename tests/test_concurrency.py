@@ -16,10 +16,10 @@ import pytest
 import specllama
 from conftest import SERVER_KEY, SETTINGS
 from prompts import LONG_STORY
-from specllama.concurrency_probes import probe_piece_diff
+from specllama.measuring.concurrency_probes import probe_piece_diff
 from specllama.runtime import batches
 from specllama.runtime.batches import N_PIECE
-from specllama.slots import Turns
+from specllama.scheduling.slots import Turns
 
 ASKS = ["Write a Python function that reverses a linked list.", "Give a four-word title for: baking sourdough bread",
         "Explain TCP slow start in two sentences.", "Write a Python function that reverses a linked list."]
@@ -342,7 +342,7 @@ def test_a_slot_made_for_one_request_is_never_taken_by_another(tiny_paths, monke
     failed with status -1: the same prompt decoded twice into one lane's sequence, in 3 of 6 runs
     of the concurrency benchmark; in contexts of their own, B's text silently changed). Each
     request gets a slot of its own (Pool's rule, the same for lanes)."""
-    from specllama.slots import Slots
+    from specllama.scheduling.slots import Slots
 
     real_grow = Slots.grow
 

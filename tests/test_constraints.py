@@ -13,8 +13,9 @@ import pytest
 
 import specllama
 from specllama import ConstraintError, InvalidParameterError
-from specllama.constraints import Constraint, Grammar, Lark, Penalties, check_logit_bias, grammar_source
-from specllama.sampling import SamplingSettings, distribution
+from specllama.decoding.constraints import (Constraint, Grammar, Lark, Penalties, check_logit_bias,
+                                            grammar_source)
+from specllama.decoding.sampling import SamplingSettings, distribution
 from conftest import own_target
 from test_verify import chi2_critical, chi2_stat
 

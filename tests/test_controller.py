@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from specllama.controller import (Acceptance, Controller, Costs, FixedDraft, OnlineCosts, draft_can_pay)
-from specllama.proposals import DraftReport, Proposal, RoundOutcome
+from specllama.decoding.proposals import DraftReport, Proposal, RoundOutcome
 
 # memory-bound target (F16 on a Mac or an RTX card): a pass over k+1 tokens costs little more than one
 MEMORY_BOUND = Costs(verify=tuple(0.100 + 0.004 * n for n in range(1, 18)), draft_token=0.010)
@@ -487,7 +487,7 @@ def test_the_draft_s_prefill_is_priced_from_its_own_timed_batch():
 
 
 def test_a_record_s_draft_batch_is_read_where_valid():
-    from specllama import records
+    from specllama.measuring import records
 
     assert records.draft_batch({"draft_batch": [64, 0.35]}) == (64, 0.35)
     for bad in (None, [64], [1, 0.3], [64, -1.0], [64, float("nan")], ["x", 0.3], 7):

@@ -20,8 +20,8 @@ import numpy as np
 import pytest
 
 import specllama
-from specllama import disk_cache
-from specllama.disk_cache import DiskCache, listing
+from specllama.caching import disk_cache
+from specllama.caching.disk_cache import DiskCache, listing
 from specllama.runtime import PrefillRow, SavedState
 
 from conftest import ROOT, SETTINGS

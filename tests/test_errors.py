@@ -17,8 +17,8 @@ from specllama import (
     ModelNotFoundError,
     PromptTooLongError,
 )
-from specllama.compat import VocabInfo, check_compatible
-from specllama.compat import vocab_info
+from specllama.models.compat import VocabInfo, check_compatible
+from specllama.models.compat import vocab_info
 from specllama.runtime import ModelSettings, Runtime
 
 from conftest import SETTINGS

@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 
 from specllama.errors import InvalidParameterError
-from specllama.fidelity import (ASSUMED_REUSE_DIFF, MAX_VERIFY, ROUNDING_BOUND, BatchDiffs, DiffTable, Limits,
-                                ReuseTable, kv_group,
-                                kv_length, near_tie, parse_level)
+from specllama.measuring.fidelity import (ASSUMED_REUSE_DIFF, MAX_VERIFY, ROUNDING_BOUND, BatchDiffs,
+                                          DiffTable, Limits, ReuseTable, kv_group, kv_length, near_tie,
+                                          parse_level)
 
 # F16-like: float rounding at every size; Q4_K-like: bitwise to 3, then another kernel path
 F16 = BatchDiffs(256, tuple([0.015] * (MAX_VERIFY - 1)), complete=True)

@@ -11,8 +11,8 @@ import numpy as np
 import specllama
 from conftest import SETTINGS
 from prompts import LONG_STORY
-from specllama.cost_probes import FIRST_DRAFT_BATCH
-from specllama.limits import MAX_VERIFY
+from specllama.measuring.cost_probes import FIRST_DRAFT_BATCH
+from specllama.decoding.limits import MAX_VERIFY
 
 CODE = "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n"
 
@@ -82,7 +82,7 @@ def test_warm_up_alone_measures_what_one_request_uses_and_leaves_what_requests_s
 def test_a_first_estimate_fits_the_short_probe_s_passes(model_paths, home):
     """The verify curve's shape comes from the passes the load's fidelity probe timed: a robust
     line, so one pass the machine disturbed does not bend it."""
-    from specllama.cost_probes import first_costs
+    from specllama.measuring.cost_probes import first_costs
 
     with specllama.load(model_paths["target"], None, idle_work=False, **SETTINGS) as llm, llm.exclusive():
         seconds = [0.02, 0.03, 0.04, 0.9, 0.06, 0.07]  # the fourth pass disturbed

@@ -17,7 +17,7 @@ import sys
 
 import pytest
 
-from specllama import gguf_check
+from specllama.models import gguf_check
 
 pytestmark = pytest.mark.children  # each test waits on a llama.cpp child
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from prompts import CHAT, CODE, COPY, EDIT, JSON, LIST, PROSE, RAW
-from specllama.proposers import PromptLookupProposer
+from specllama.decoding.proposers import PromptLookupProposer
 
 PROMPTS = {"code": CODE, "prose": PROSE, "json": JSON, "list": LIST, "chat": CHAT, "raw": RAW}
 COPYING = {"edit": EDIT, "copy": COPY}  # continuations that copy the prompt: lookup must match

@@ -10,11 +10,11 @@ import sys
 import pytest
 from click.testing import CliRunner
 
-from specllama import gguf_check, registry
+from specllama.models import gguf_check, registry
 from specllama.cli import main
-from specllama.draft_select import select_draft
-from specllama.hub import Hub, HubError
-from specllama.resolve import resolve
+from specllama.models.draft_select import select_draft
+from specllama.models.hub import Hub, HubError
+from specllama.models.resolve import resolve
 
 from hubserver import HubServer, Repo
 

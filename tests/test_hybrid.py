@@ -14,7 +14,7 @@ import pytest
 import specllama
 from specllama.errors import InvalidParameterError
 from specllama.runtime import ModelSettings, Runtime
-from specllama.sampling import SamplingSettings, distribution
+from specllama.decoding.sampling import SamplingSettings, distribution
 from conftest import own_target
 from test_interrupts import Boom, interrupt_nth_call
 from test_sampling_e2e import second_tokens

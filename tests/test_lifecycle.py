@@ -129,6 +129,6 @@ def test_every_use_after_close_raises_closed_error(model_paths):
 
 
 def test_importing_the_memory_plan_loads_no_llama_cpp():
-    proc = subprocess.run([sys.executable, "-c", "import sys, specllama.plan, specllama.runtime.settings; "
+    proc = subprocess.run([sys.executable, "-c", "import sys, specllama.models.plan, specllama.runtime.settings; "
                            "print('llama_cpp' in sys.modules)"], capture_output=True, text=True, timeout=60)
     assert proc.stdout.strip() == "False", proc.stderr

@@ -14,7 +14,7 @@ import pytest
 import specllama
 from conftest import SETTINGS
 from prompts import LONG_CHAT, LONG_CODE, LONG_STORY
-from specllama.fidelity import kv_group
+from specllama.measuring.fidelity import kv_group
 
 LONG = {"chat": LONG_CHAT, "story": LONG_STORY, "code": LONG_CODE}
 N_TOKENS = 300

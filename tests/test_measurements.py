@@ -14,8 +14,8 @@ import pytest
 import specllama
 from conftest import SETTINGS, spinning_on_every_core
 from prompts import LONG_STORY
-from specllama import calibrate, cost_probes, records
-from specllama.idle import PROCESS
+from specllama.measuring import calibrate, cost_probes, records
+from specllama.measuring.idle import PROCESS
 
 FLAT_BUSY = [3.232] * 17  # every size at 3.2 s: flat like a GPU's, on a machine that does ~35 ms
 SLOW_NON_MONOTONE = [0.978, 1.2, 0.4, 4.036] + [1.3] * 13
@@ -322,7 +322,7 @@ def test_other_processes_holding_the_cores_are_seen():
     """Idle work waits while other processes hold the cores its threads need, and `bench` says
     so (cores.py): on Linux from /proc/stat, on macOS (where it read nothing before, so idle
     probes timed a busy Mac) from the kernel's CPU load ticks."""
-    from specllama.cores import SPARE_CORES, cores_used_by_others
+    from specllama.measuring.cores import SPARE_CORES, cores_used_by_others
 
     quiet = cores_used_by_others(SETTINGS["n_threads"], window=0.5)
     with spinning_on_every_core():

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from specllama import InvalidParameterError
-from specllama.messages import normalize
+from specllama.surfaces.messages import normalize
 
 
 def test_parts_are_joined_and_roles_mapped():

@@ -8,8 +8,8 @@ import re
 import pytest
 
 import specllama
-from specllama import gguf_check, plan
-from specllama.plan import GiB, MemoryPlanError
+from specllama.models import gguf_check, plan
+from specllama.models.plan import GiB, MemoryPlanError
 from specllama.runtime import ModelSettings
 
 

@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 
 import specllama
-from specllama import prompt_cache
-from specllama.prompt_cache import Budget, reusable
-from specllama.concurrency_probes import piece_bounds
+from specllama.caching import prompt_cache
+from specllama.caching.prompt_cache import Budget, reusable
+from specllama.measuring.concurrency_probes import piece_bounds
 from specllama.runtime import PrefillRow, chunk_bounds
 from specllama.runtime.batches import next_batch_end, piece_end
 

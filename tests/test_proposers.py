@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from specllama.proposers import PromptLookupProposer
-from specllama.sampling import SamplingSettings
+from specllama.decoding.proposers import PromptLookupProposer
+from specllama.decoding.sampling import SamplingSettings
 
 GREEDY = SamplingSettings()
 RNG = np.random.default_rng(0)
@@ -49,8 +49,8 @@ def test_sampled_siblings_are_drawn_without_replacement_and_say_so():
     the tree verifier needs to keep the target's distribution."""
     import numpy as np
 
-    from specllama.proposers import _next_best
-    from specllama.sampling import Dist
+    from specllama.decoding.proposers import _next_best
+    from specllama.decoding.sampling import Dist
 
     q = Dist(np.array([3, 5, 7, 9]), np.array([0.4, 0.3, 0.2, 0.1]))
     for seed in range(20):
@@ -65,7 +65,7 @@ def test_sampled_siblings_are_drawn_without_replacement_and_say_so():
 def test_greedy_siblings_are_the_next_largest_logits():
     import numpy as np
 
-    from specllama.proposers import _next_best
+    from specllama.decoding.proposers import _next_best
 
     row = np.array([0.0, 3.0, 1.0, 2.5, -1.0])
     top = float(np.exp(3.0) / np.exp(row).sum())

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from conftest import spinning_on_every_core
-from specllama import records
+from specllama.measuring import records
 
 QUIET = [0.035 + 0.008 * (n - 1) for n in range(1, 18)]  # a Q4_K_M 1.5B on 2 quiet cores
 
@@ -89,7 +89,7 @@ def test_idle_probes_on_the_conversation_run_deepest_first():
     """A probe leaves the cache cut at its own depth: run shallow first, and a deeper one queued
     beside it no longer finds a conversation long enough (as CI saw: the limit at KV 768-1024
     was never measured because the one at 512-768 ran before it)."""
-    from specllama.idle import IdleWork, Task
+    from specllama.measuring.idle import IdleWork, Task
 
     cache = {"length": 1000}  # the live conversation reaches group 2 (KV 768-1024)
     ran = []
@@ -112,7 +112,7 @@ def test_the_draft_catches_up_after_the_work_that_takes_its_context():
     """The costs probe takes the draft's context and queues the catch-up again: run first, the
     catch-up was undone and warm_up() left the draft empty (a chat's next turn, 2,900 tokens
     behind, never drafted). The catch-up runs last; a task queued again after it ran runs again."""
-    from specllama.idle import IdleWork, Task
+    from specllama.measuring.idle import IdleWork, Task
 
     draft = {"cached": 0}
     idle = IdleWork(threading.Lock(), lambda: False, start=False)
@@ -140,7 +140,7 @@ def test_the_draft_catches_up_after_the_work_that_takes_its_context():
 def test_a_disturbed_measurement_waits_before_the_idle_thread_retries_it():
     """A measurement the machine disturbed is retried later, not at the next idle moment: on a
     busy machine a probe rerun every half second keeps it busier (and is disturbed again)."""
-    from specllama.idle import GRACE_SECONDS, IdleWork, Task
+    from specllama.measuring.idle import GRACE_SECONDS, IdleWork, Task
 
     runs: list[float] = []
 
@@ -167,8 +167,8 @@ def test_work_with_one_long_call_waits_for_a_longer_quiet():
     F16 target here): the idle thread starts it only after PROBE_QUIET_SECONDS without a
     generation, not at the grace that lets short work start between back-to-back requests;
     warm_up() runs it at once."""
-    from specllama.concurrency_probes import PROBE_QUIET_SECONDS
-    from specllama.idle import GRACE_SECONDS, IdleWork, Task
+    from specllama.measuring.concurrency_probes import PROBE_QUIET_SECONDS
+    from specllama.measuring.idle import GRACE_SECONDS, IdleWork, Task
 
     runs: list[tuple[str, float]] = []
     idle = IdleWork(threading.Lock(), lambda: False)
@@ -191,7 +191,7 @@ def test_work_with_one_long_call_waits_for_a_longer_quiet():
 
 
 def test_the_cores_other_processes_use_are_read_per_cpu_without_idle_time():
-    from specllama.cores import busy_jiffies
+    from specllama.measuring.cores import busy_jiffies
 
     stat = ("cpu  900 0 300 5000 50 0 0 0 0 0\n"
             "cpu0 100 5 50 2000 20 1 2 3 0 0\n"  # busy: 100+5+50+1+2+3; idle and iowait left out
@@ -206,10 +206,10 @@ def test_the_cores_other_processes_use_are_read_per_cpu_without_idle_time():
 def test_idle_work_waits_while_other_processes_hold_the_cores(monkeypatch):
     """A probe run while another process spins on the cores would time that process (and slow
     it): the work waits until the cores are free, then runs."""
-    import specllama.idle
-    from specllama.idle import IdleWork, Task
+    import specllama.measuring.idle
+    from specllama.measuring.idle import IdleWork, Task
 
-    monkeypatch.setattr(specllama.idle, "BUSY_POLL_SECONDS", 0.5)
+    monkeypatch.setattr(specllama.measuring.idle, "BUSY_POLL_SECONDS", 0.5)
     runs: list[float] = []
     idle = IdleWork(threading.Lock(), lambda: False, n_threads=len(os.sched_getaffinity(0)))
     try:
@@ -231,10 +231,10 @@ def test_idle_work_in_progress_leaves_the_cores_to_a_process_that_starts_using_t
     """A probe started on free cores used to run to its end (4-8 s) when another process began
     decoding: both ran at half speed, and the other one's timings looked busy. It ends within a
     window of the other process starting, and runs again once the cores are free."""
-    import specllama.idle
-    from specllama.idle import IdleWork, Preempted, Task
+    import specllama.measuring.idle
+    from specllama.measuring.idle import IdleWork, Preempted, Task
 
-    monkeypatch.setattr(specllama.idle, "BUSY_POLL_SECONDS", 0.5)
+    monkeypatch.setattr(specllama.measuring.idle, "BUSY_POLL_SECONDS", 0.5)
     started, ended = threading.Event(), []
 
     def probe(stop):  # a measurement that checks stop() between its llama.cpp calls

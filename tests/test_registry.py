@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from specllama import registry
-from specllama.registry import RegistryError
+from specllama.models import registry
+from specllama.models.registry import RegistryError
 
 
 def test_shipped_file_validates():

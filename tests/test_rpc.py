@@ -18,9 +18,9 @@ import pytest
 
 import specllama
 from specllama import runtime
-from specllama.fidelity import top_gap
+from specllama.measuring.fidelity import top_gap
 from specllama.errors import InvalidParameterError, RpcError
-from specllama.plan import device_shares, make_plan
+from specllama.models.plan import device_shares, make_plan
 from specllama.runtime.rpc import check_reachable
 from specllama.runtime import Device, ModelSettings, offload_devices, parse_endpoints
 

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from specllama import InvalidParameterError, SamplingSettings
-from specllama.sampling import NEAR_TOP, Dist, distribution, greedy, sample, top_probability
+from specllama.decoding.sampling import NEAR_TOP, Dist, distribution, greedy, sample, top_probability
 
 
 def softmax(x):
@@ -141,9 +141,9 @@ def test_the_round_s_reductions_leave_openblas_alone():
     import inspect
     import re
 
-    from specllama import decode, proposers, sampling, verify
+    from specllama.decoding import decode, proposers, sampling, verify
     from specllama.controller import policy
-    from specllama.sampling import inner
+    from specllama.decoding.sampling import inner
 
     rng = np.random.default_rng(5)
     a, b = rng.random(151_936), rng.random(151_936)
@@ -157,7 +157,7 @@ def test_top_candidates_are_the_n_largest_lowest_ids_first_on_ties():
     """Against a full sort, on rows of a random model's spread and a trained one's flat spread,
     with ties (rounded logits), -inf entries (a constraint's), vocabularies with and without a
     partial last group, and n on both sides of the row's group count (n_vocab // sampling.BLOCK)."""
-    from specllama.sampling import BLOCK, top_candidates
+    from specllama.decoding.sampling import BLOCK, top_candidates
 
     rng = np.random.default_rng(11)
     for n_vocab in (151_936, 49_152, 1_000):

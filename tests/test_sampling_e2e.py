@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from specllama.sampling import SamplingSettings, distribution
+from specllama.decoding.sampling import SamplingSettings, distribution
 from test_verify import chi2_critical, chi2_stat
 
 from conftest import own_target

@@ -11,7 +11,7 @@ import openai
 import pytest
 
 from prompts import CODE
-from specllama.fidelity import parse_level
+from specllama.measuring.fidelity import parse_level
 from conftest import SERVER_KEY
 from serving import post as post_to
 

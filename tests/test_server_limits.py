@@ -24,7 +24,7 @@ from serving import metric, post, serve
 from specllama.runtime import supports_rpc
 from specllama.server.app import create_app
 from specllama.server.limits import ServerLimits
-from specllama.tools import ToolFormat
+from specllama.surfaces.tools import ToolFormat
 
 pytestmark = pytest.mark.children
 

@@ -9,7 +9,7 @@ import pytest
 import specllama
 from conftest import SETTINGS
 from specllama import InvalidParameterError
-from specllama.tools import ToolFormat, chosen_tools, detect
+from specllama.surfaces.tools import ToolFormat, chosen_tools, detect
 
 HERMES = ToolFormat("hermes", "<tool_call>", "</tool_call>")
 LLAMA3 = ToolFormat("llama3", "", "", arguments_key="parameters")

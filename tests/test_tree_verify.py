@@ -7,9 +7,9 @@ from typing import Optional
 import numpy as np
 import pytest
 
-from specllama.sampling import Dist
-from specllama.tree import Tree
-from specllama.verify import residual, tree_greedy_verify, tree_speculative_verify
+from specllama.decoding.sampling import Dist
+from specllama.decoding.tree import Tree
+from specllama.decoding.verify import residual, tree_greedy_verify, tree_speculative_verify
 from test_verify import chi2_critical, chi2_stat
 
 V = 5
@@ -90,7 +90,7 @@ def test_tree_output_is_distributed_as_the_target(lookup):
 def test_the_check_rejects_siblings_judged_without_the_residual(monkeypatch):
     """The check can fail: judging later siblings against the target's row itself, not the
     residual left by the earlier ones, keeps their tokens too often."""
-    monkeypatch.setattr("specllama.verify.residual", lambda p, q: p)
+    monkeypatch.setattr("specllama.decoding.verify.residual", lambda p, q: p)
     rng = np.random.default_rng(5)
     counts = np.zeros(V, dtype=np.int64)
     for _ in range(40_000):

@@ -12,15 +12,15 @@ import pytest
 
 import specllama
 from specllama.controller import Acceptance, Controller, Costs, OnlineCosts
-from specllama.decode import Decoding, generate_steps
+from specllama.decoding.decode import Decoding, generate_steps
 from specllama.errors import InvalidParameterError
-from specllama.fidelity import LEVELS, Limits
-from specllama.proposers import DraftModelProposer, PromptLookupProposer, Proposer
-from specllama.proposals import Proposal
+from specllama.measuring.fidelity import LEVELS, Limits
+from specllama.decoding.proposers import DraftModelProposer, PromptLookupProposer, Proposer
+from specllama.decoding.proposals import Proposal
 from specllama.runtime import ModelSettings, Runtime
-from specllama.tree import Tree
-from specllama.sampling import SamplingSettings, distribution
-from specllama.stats import Stats
+from specllama.decoding.tree import Tree
+from specllama.decoding.sampling import SamplingSettings, distribution
+from specllama.decoding.stats import Stats
 from test_interrupts import Boom, interrupt_nth_call
 from test_verify import chi2_critical, chi2_stat
 
@@ -240,8 +240,8 @@ def test_sampled_proposals_are_decided_without_looking_at_the_drawn_token(tiny_p
     """Whether a sampled draft token, or a sibling, is proposed may depend on what came before
     it, never on its own value: the verifier judges it as drawn from q, and one kept only
     where it came out likely is not (chi-square cannot see this bias at test sizes; this can)."""
-    from specllama.proposals import TreeShape
-    from specllama.proposers import Generation
+    from specllama.decoding.proposals import TreeShape
+    from specllama.decoding.proposers import Generation
 
     sampling = SamplingSettings(temperature=1.0, top_k=6, top_p=1.0, min_p=0.0)
     with Runtime.load(tiny_paths["hybrid-target"], ModelSettings(**SETTINGS, rollback="checkpoint")) as draft:

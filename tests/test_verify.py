@@ -7,8 +7,8 @@ import math
 import numpy as np
 import pytest
 
-from specllama.sampling import Dist
-from specllama.verify import greedy_verify, residual, speculative_verify
+from specllama.decoding.sampling import Dist
+from specllama.decoding.verify import greedy_verify, residual, speculative_verify
 
 N_DRAWS = 100_000
 

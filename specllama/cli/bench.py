@@ -10,8 +10,8 @@ from typing import Any, Optional
 
 import click
 
-from ..batch import time_requests
-from ..cores import SPARE_CORES, OtherProcesses
+from ..scheduling.batch import time_requests
+from ..measuring.cores import SPARE_CORES, OtherProcesses
 from .app import main
 from .options import ModelChoice, model_options, plot_option
 from .run import first_use

@@ -9,7 +9,7 @@ from typing import Any, Optional
 
 import click
 
-from ..disk_cache import SUFFIX, listing
+from ..caching.disk_cache import SUFFIX, listing
 from .app import main
 
 

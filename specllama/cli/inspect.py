@@ -22,10 +22,10 @@ from .options import ModelChoice, model_options, plot_option
 @click.pass_context
 def draft_cmd(ctx: click.Context, model: str, as_json: bool, fresh: bool, no_download: bool, verbose: bool) -> None:
     """Show which draft auto-selection picks for MODEL, and why, without generating."""
-    from .. import registry as registry_module
-    from ..draft_select import select_draft
-    from ..hub import Hub
-    from ..resolve import resolve
+    from ..models import registry as registry_module
+    from ..models.draft_select import select_draft
+    from ..models.hub import Hub
+    from ..models.resolve import resolve
 
     ctx.meta["specllama.verbose"] = verbose
     hub, registry = Hub.from_env(), registry_module.load()
@@ -58,8 +58,8 @@ def draft_cmd(ctx: click.Context, model: str, as_json: bool, fresh: bool, no_dow
 @click.option("--json", "as_json", is_flag=True)
 def models_cmd(as_json: bool) -> None:
     """List models.toml aliases and draft pairs (shipped + user file), and which are cached."""
-    from .. import registry as registry_module
-    from ..hub import Hub
+    from ..models import registry as registry_module
+    from ..models.hub import Hub
 
     registry = registry_module.load()
     cached = {repo for repo, _, _ in Hub.from_env().cached_ggufs()}
@@ -86,8 +86,8 @@ def models_cmd(as_json: bool) -> None:
 @model_options
 def plan_cmd(choice: ModelChoice) -> None:
     """Show the memory MODEL and its draft need, from their headers, without loading them."""
-    from ..draft_select import MTP
-    from ..plan import make_plan, ways_out
+    from ..models.draft_select import MTP
+    from ..models.plan import make_plan, ways_out
     from ..runtime import ModelSettings
     from ..runtime.ggml import supports_gpu_offload
 
@@ -121,12 +121,12 @@ def _settings(choice: ModelChoice, settings_type: type) -> tuple:
 def calibrate_cmd(choice: ModelChoice, kv_groups: int, fresh: bool, as_json: bool) -> None:
     """Measure (and cache) MODEL's verify-batch fidelity per KV length and this machine's decode
     costs, loaded exactly as `run` loads it: what run, chat and serve then use."""
-    from .. import records
-    from ..calibrate import calibrate_fidelity, costs_key
-    from ..cost_probes import measure_costs
-    from ..concurrency_probes import measure_pieces
-    from ..fidelity import LEVELS, group_label, kv_group
-    from ..limits import MAX_VERIFY
+    from ..measuring import records
+    from ..measuring.calibrate import calibrate_fidelity, costs_key
+    from ..measuring.cost_probes import measure_costs
+    from ..measuring.concurrency_probes import measure_pieces
+    from ..measuring.fidelity import LEVELS, group_label, kv_group
+    from ..decoding.limits import MAX_VERIFY
 
     with choice.open() as llm, llm.exclusive():
         fidelity = calibrate_fidelity(llm.target, kv_groups, fresh=fresh)
@@ -180,8 +180,8 @@ def doctor_cmd(choice: Optional[ModelChoice], as_json: bool, plot: Optional[Path
     """What this llama.cpp build can do here; with MODEL, its fidelity, costs and whether a draft
     pays, loaded exactly as `run` loads it (--plot FILE.png: the costs drawn)."""
     from ..doctor import model_report, print_report, system_report
-    from ..draft_select import MTP
-    from ..plan import make_plan
+    from ..models.draft_select import MTP
+    from ..models.plan import make_plan
     from ..runtime import ModelSettings
 
     if plot is not None and choice is None:

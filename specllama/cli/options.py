@@ -15,7 +15,7 @@ from typing import Any, Optional
 import click
 
 from ..errors import InvalidParameterError, SpecLlamaError
-from ..fidelity import parse_level
+from ..measuring.fidelity import parse_level
 from ..options import GenerateOptions
 
 _GEN = {f.name: f.default for f in dataclasses.fields(GenerateOptions)}
@@ -145,7 +145,7 @@ class ModelChoice:
     def resolve(self) -> tuple[Path, Any]:
         """(target path, draft path, MTP or None), resolved once; the notes go to stderr."""
         if self._resolved is None:
-            from ..draft_select import resolve_pair
+            from ..models.draft_select import resolve_pair
 
             target, draft, notes = resolve_pair(self.model, None if self.draft in ("ngram", "none") else self.draft)
             for note in notes:
@@ -192,7 +192,7 @@ class ModelChoice:
 
 def trained_context(path: Path) -> Optional[int]:
     """The context length the model was trained on, from its GGUF header."""
-    from .. import gguf_check
+    from ..models import gguf_check
 
     fields = gguf_check.read_header(path).fields
     value = fields.get(f"{fields.get('general.architecture')}.context_length")

@@ -240,7 +240,7 @@ def chat_cmd(choice: ModelChoice, system: Optional[str], gen: GenerateOptions, s
     except ImportError:
         pass
     options = {k: v for k, v in gen.as_kwargs().items() if k != "max_tokens" or _given("max_tokens")}
-    from ..idle import idle_wanted
+    from ..measuring.idle import idle_wanted
 
     with choice.open(idle_work=idle_wanted(default=True)) as llm:  # measures while the person types
         if llm.target.chat_template() is None:

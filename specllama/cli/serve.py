@@ -83,7 +83,7 @@ def serve_cmd(choice: ModelChoice, host: str, port: int, api_keys: tuple[str, ..
                err=True)
     origins = [o.strip() for o in cors_origins.split(",") if o.strip()]
     share = "auto" if batch_requests is None else batch_requests
-    from ..idle import idle_wanted
+    from ..measuring.idle import idle_wanted
 
     idle = idle_wanted(default=True)  # a server owns its process: it measures between requests
     app = create_app(lambda: choice.open(n_parallel=n_parallel, batch_requests=share, idle_work=idle), name,

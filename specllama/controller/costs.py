@@ -12,7 +12,7 @@ from typing import Any, Optional
 
 import numpy as np
 
-from ..records import costs_problem
+from ..measuring.records import costs_problem
 from ..runtime.batches import kv_length
 
 

@@ -48,10 +48,10 @@ from typing import Optional, Protocol
 
 import numpy as np
 
-from ..proposals import RoundOutcome
-from ..tree import Tree
+from ..decoding.proposals import RoundOutcome
+from ..decoding.tree import Tree
 from .acceptance import N_EXPLORE, Acceptance, TextAcceptance
-from ..limits import TREE_ROWS
+from ..decoding.limits import TREE_ROWS
 from .costs import OnlineCosts, shared_pass_costs
 
 EXPLORE_SHARE = 0.015  # of the modelled time of rounds without the draft, spent trying it again

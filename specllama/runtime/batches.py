@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Optional
 
-from ..tree import Tree
+from ..decoding.tree import Tree
 
 if TYPE_CHECKING:
     from .protocols import Beside

@@ -9,7 +9,7 @@ from typing import Any, Union
 
 import llama_cpp
 
-from .. import gguf_check
+from ..models import gguf_check
 from .ggml import LOG_SINK, MemoryUse, gpu_free, init_backend, resident_bytes, system_info
 from .handles import Handle, load_model, new_context
 from .measure_key import identity

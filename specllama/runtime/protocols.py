@@ -11,7 +11,7 @@ from typing import Any, Optional, Protocol, TypeVar, Union
 
 import numpy as np
 
-from ..tree import Tree
+from ..decoding.tree import Tree
 from .ggml import MemoryUse
 from .settings import ModelSettings
 from .state import PrefillRow, SavedState

@@ -23,8 +23,8 @@ from typing import Any, Optional, TypeVar, Union
 import numpy as np
 
 from ..errors import InvalidParameterError, RpcError
-from ..limits import MAX_ROWS
-from ..tree import Tree
+from ..decoding.limits import MAX_ROWS
+from ..decoding.tree import Tree
 from . import session
 from .ggml import MemoryUse
 from .host_link import Host

@@ -14,7 +14,7 @@ from typing import Any, Optional
 from gguf import GGMLQuantizationType
 
 from ..errors import InvalidParameterError
-from ..limits import MAX_DRAFT
+from ..decoding.limits import MAX_DRAFT
 
 # KV cache element types users may name; values are ggml_type ids (the gguf package's table).
 KV_CACHE_TYPES = {name: int(GGMLQuantizationType[name.upper()])

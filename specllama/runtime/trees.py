@@ -8,7 +8,7 @@ from typing import Any, Optional
 
 
 from ..errors import ContextFullError
-from ..tree import Tree
+from ..decoding.tree import Tree
 from .batches import TreeBatch, kv_length
 from .protocols import Pass
 

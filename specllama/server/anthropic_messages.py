@@ -18,9 +18,9 @@ from fastapi import FastAPI, Request
 from pydantic import ConfigDict
 from sse_starlette.sse import ServerSentEvent
 
-from ..completions import Completion, generate_options, shaping_options, tool_setup
+from ..surfaces.completions import Completion, generate_options, shaping_options, tool_setup
 from ..errors import InvalidParameterError, PromptTooLongError
-from ..messages import content_text
+from ..surfaces.messages import content_text
 from .core import Server
 from .errors import ApiError, from_library
 from .jobs import Job

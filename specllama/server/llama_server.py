@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any, Optional, Union
 from fastapi import FastAPI, Request
 from pydantic import ConfigDict
 
-from ..completions import Completion, generate_options, timings
+from ..surfaces.completions import Completion, generate_options, timings
 from .core import Server
 from .errors import ApiError, from_library
 from .jobs import Job

@@ -20,8 +20,8 @@ from typing import TYPE_CHECKING, Any, Optional, Union
 from fastapi import FastAPI, Request
 from pydantic import ConfigDict
 
-from ..completions import (IGNORED, NEUTRAL, Completion, chat_logprobs, check_supported, generate_options,
-                           shaping_options, timings, tool_setup)
+from ..surfaces.completions import (IGNORED, NEUTRAL, Completion, chat_logprobs, check_supported,
+                                    generate_options, shaping_options, timings, tool_setup)
 from ..errors import InvalidParameterError
 from ..options import GenerateOptions
 from ..streams import PromptProgress

@@ -21,9 +21,9 @@ from fastapi import FastAPI, Request
 from pydantic import ConfigDict
 from sse_starlette.sse import ServerSentEvent
 
-from ..completions import Completion, generate_options, shaping_options, tool_setup
+from ..surfaces.completions import Completion, generate_options, shaping_options, tool_setup
 from ..errors import InvalidParameterError
-from ..messages import content_text
+from ..surfaces.messages import content_text
 from .anthropic_messages import deltas
 from .core import Server
 from .errors import ApiError, from_library
