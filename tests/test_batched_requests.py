@@ -411,3 +411,17 @@ def test_served_by_default_with_lanes_a_leaving_client_leaves_the_other_unchange
             assert counted and float(counted[0].split()[-1]) > 0, (got["other"], alone)
         assert _stream_text(client, asks[1], 48) == alone
         assert httpx.get(f"{base}/health", timeout=10).json()["requests_active"] == 0
+
+
+def test_a_lane_s_prefill_never_passes_for_a_fresh_one(lanes):
+    """A lane's rows differ from a context of its own (other lanes' cells sit between its own),
+    so nothing it prefills is marked canonical: a state saved from a lane (the lanes' and the
+    slots' caches share their saved states) never restores as exact for a bitwise or seeded
+    request, whose output must be a fresh prefill's."""
+    fresh = [[1000 + 37 * i + j for j in range(80)] for i in range(4)]  # nothing in common with any lane's
+    before = lanes.sharing.context.n_shared_passes
+    at_once(lanes, fresh, max_tokens=4)
+    assert lanes.sharing.context.n_shared_passes > before  # they decoded in lanes
+    rows = [runtime.prefill_row for runtime in lanes.sharing.context.lanes]
+    assert len(rows) == 4 and all(row is not None and not row.canonical for row in rows), rows
+    assert all(runtime.n_canonical == 0 for runtime in lanes.sharing.context.lanes)

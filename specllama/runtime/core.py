@@ -339,7 +339,7 @@ class Runtime(Vocab, TreeDecoding):
     def prefill(self, tokens: Sequence[int], n_reuse: int, progress: Optional[Progress] = None) -> int:
         """session.prefill: the prompt in aligned chunks after n_reuse cached tokens; the reused count."""
         self._settle()
-        return session.prefill(self, tokens, n_reuse, progress)
+        return session.prefill(self, tokens, n_reuse, progress, fresh_bits=self._lane is None)
 
     def sync(self, tokens: Sequence[int]) -> None:
         """session.sync: the cache holds tokens, with logits for the last one."""

@@ -21,7 +21,8 @@ def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     return int(diff[0])
 
 
-def prefill(model: Any, tokens: Sequence[int], n_reuse: int, progress: Optional[Progress] = None) -> int:
+def prefill(model: Any, tokens: Sequence[int], n_reuse: int, progress: Optional[Progress] = None,
+            fresh_bits: bool = True) -> int:
     """Make the cache hold tokens, with logits for the last one, keeping its first n_reuse
     (which must be tokens[:n_reuse]) and computing the rest in aligned chunks.
 
@@ -30,6 +31,9 @@ def prefill(model: Any, tokens: Sequence[int], n_reuse: int, progress: Optional[
     n_reuse == len(tokens) takes the last row from prefill_row, which must be this prompt's.
     Returns the tokens reused: fewer than n_reuse where a recurrent memory could only go
     back to an earlier checkpoint. progress is told the cached count after each batch.
+    fresh_bits: whether a decode here computes what a context of its own does; a lane of a
+    shared context does not (other lanes' cells sit between its own: its rows differ), so what
+    it prefills is never canonical, and a state saved from it never restores as exact.
     """
     tokens = list(tokens)
     if not 0 <= n_reuse <= len(tokens) or model.cached[:n_reuse] != tokens[:n_reuse]:
@@ -46,7 +50,7 @@ def prefill(model: Any, tokens: Sequence[int], n_reuse: int, progress: Optional[
     n_reuse = len(model.cached)
     if progress is not None:
         progress(n_reuse)  # where the prefill starts: what it reuses
-    canonical_start = n_reuse <= model.n_canonical and n_reuse % model.n_batch == 0
+    canonical_start = fresh_bits and n_reuse <= model.n_canonical and n_reuse % model.n_batch == 0
     model.decode(tokens[n_reuse:], n_logits=1, aligned=True, progress=progress)
     if canonical_start:
         model.n_canonical = len(tokens) // model.n_batch * model.n_batch
