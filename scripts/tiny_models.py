@@ -227,6 +227,8 @@ SET = {
     "hybrid-target": (write_hybrid, dict(mtp=True)),
     "hybrid-draft": (write_hybrid, dict(perturb=0.3)),
     "attention-draft": (write_attention, dict()),
+    # a perturbed copy of attention-draft: a draft that agrees on most of its tokens, not all
+    "attention-perturbed": (write_attention, dict(perturb=0.05)),
 }
 
 
