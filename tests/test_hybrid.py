@@ -40,7 +40,7 @@ def test_llama_cpp_loads_and_runs_the_tiny_models(tiny_paths):
             assert np.isfinite(rt.logits(0)).all()
             kinds[name] = (rt.memory, rt.rollback, rt.n_nextn)
     assert kinds == {"hybrid-target": ("hybrid", "n_rs_seq", 1), "hybrid-draft": ("hybrid", "n_rs_seq", 0),
-                     "attention-draft": ("attention", "seq_rm", 0)}
+                     "attention-draft": ("attention", "seq_rm", 0), "attention-perturbed": ("attention", "seq_rm", 0)}
 
 
 @pytest.mark.parametrize("rollback", ["n_rs_seq", "checkpoint"])
