@@ -216,8 +216,10 @@ def test_run_n_minus_one_generates_until_the_context_is_full(model_paths):
     assert result["stats"]["n_prompt"] + len(result["tokens"]) == result["settings"]["n_ctx"] + 1
 
 
-def test_a_context_too_small_to_probe_decodes_plainly(model_paths, plain):
-    """The fidelity probe needs room for its rows; without it, rounds verify one token."""
+def test_a_context_too_small_to_probe_decodes_plainly(model_paths, plain, home):
+    """The fidelity probe needs room for its rows; without it, rounds verify one token. In an
+    empty calibration folder: limits another test's load measured in the session's folder are
+    this target's too, and let it draft (bitwise, as CI once saw: 4 drafted, the same tokens)."""
     with specllama.load(model_paths["target"], model_paths["draft"], n_ctx=16, n_threads=2) as llm:
         prompt = llm.tokenize(CODE)[:6]
         r = llm.generate(prompt, max_tokens=8, exact="bitwise")
